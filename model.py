@@ -402,10 +402,13 @@ def prefill(model: Llama, tokens: torch.Tensor, hooks: Optional[Hooks] = None) -
 
 @torch.no_grad()
 def decode(model: Llama, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """Feed tokens (B, n) one at a time after the cache; returns logits (B, n, V).
+    """Teacher-force tokens (B, n) after the cache; returns logits (B, n, V).
 
-    One at a time so that a decode-phase rule (cache.hooks) evicts after every step, exactly as
-    in generation; with no decode hooks this equals feeding the n tokens at once."""
+    With decode hooks (a decode-phase eviction rule in cache.hooks) the tokens go one at a time,
+    so the rule evicts after every step exactly as in generation; without, they go in one step
+    (the same attention, up to float summation order)."""
+    if cache.hooks is None:
+        return model.step(tokens, cache)
     out = [model.step(tokens[:, i:i + 1], cache, cache.hooks) for i in range(tokens.shape[1])]
     return torch.cat(out, dim=1)
 
