@@ -532,14 +532,20 @@ def generate(model: Llama, tok: Tokenizer, prompt: str, policy=None, max_new_tok
     check_length(model, len(ids) + max_new_tokens)
     tokens = torch.tensor([ids], device=model.device)                        # (1, T)
     cache = prefill(model, tokens) if policy is None else policy.prefill(model, tokens)
+    return tok.decode(greedy(model, cache, max_new_tokens, tok.eos_ids))
+
+
+@torch.no_grad()
+def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=()) -> list:
+    """Greedy continuation of a prefilled cache (batch 1): token ids, eos excluded."""
     out = []
     for _ in range(max_new_tokens):
         nxt = int(cache.last_logits[0].argmax())
-        if nxt in tok.eos_ids:
+        if nxt in eos_ids:
             break
         out.append(nxt)
         model.step(torch.tensor([[nxt]], device=model.device), cache, cache.hooks)
-    return tok.decode(out)
+    return out
 
 
 def main(argv=None):
