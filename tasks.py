@@ -1,0 +1,555 @@
+"""Evaluation data: RULER-style synthetic tasks, natural text, LongBench files and their metrics.
+
+The data side of `evaluate.py` (SPEC.md §6). Everything here is a pure function of its
+arguments: no download, no global random state, one `random.Random` per sample.
+
+1. RULER-style generators (Hsieh et al., "RULER", 2024; NVIDIA/RULER `scripts/data/synthetic/`
+   `niah.py`, `variable_tracking.py`, `freq_words_extraction.py`, `common_words_extraction.py`,
+   templates from `constants.py`, task settings from `scripts/synthetic.yaml`). Each one is
+   `gen(tokenizer, target_tokens, seed, index) -> Sample`; its prompt is RULER's template followed
+   by RULER's answer prefix (`prepare.py` appends it), for a base model (no chat template).
+   Departures from RULER, all **[choice]**:
+   - length: the *prompt* holds at most `target_tokens` tokens (RULER fits prompt + the tokens to
+     generate to `max_seq_length`). The haystack is counted in words (one noise/essay word, one
+     coded word, one listed word; one whole line for the needle haystack), so the binary search
+     lands within a word of the target, not within one 18-word noise line as in RULER;
+   - text: RULER's Paul Graham essays are replaced by Python's own `pydoc_data.topics`, and the
+     `wonderwords` word lists by the words of that text; sentences are split by a regex, not NLTK;
+   - needle depths are drawn once per sample as fractions, so growing the haystack during the
+     search moves nothing else (RULER redraws everything at every size).
+2. Natural text for the fidelity suite and for calibration, from `pydoc_data.topics`: topics in
+   sorted key order, even positions = evaluation text, odd positions = calibration text (disjoint:
+   calibrate.py never sees a passage that evaluate.py scores). That module is the running
+   Python's own documentation, so prompts are reproducible for one Python version (3.11 here).
+3. Metrics: RULER `scripts/eval/synthetic/constants.py`; LongBench (Bai et al., 2023;
+   THUDM/LongBench `LongBench/metrics.py`, `eval.py`) re-implemented without `rouge`,
+   `fuzzywuzzy` or `jieba` (English datasets only), quirks kept and marked.
+4. `load_longbench`: LongBench `jsonl` files with the official prompts (`config/dataset2prompt.json`),
+   generation lengths (`config/dataset2maxlen.json`) and middle truncation (`pred.py`).
+"""
+from __future__ import annotations
+
+import difflib
+import functools
+import json
+import math
+import random
+import re
+import string
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from model import UsageError
+
+
+@dataclass
+class Sample:
+    """One evaluation item: what to feed the model, how long to generate, how to score it."""
+    task: str                  # RULER task name or LongBench dataset name
+    index: int
+    prompt: str                # the whole text given to the model (RULER: ends with the answer prefix)
+    answers: list              # reference strings
+    metric: str                # a key of METRICS
+    max_new_tokens: int        # RULER tokens_to_generate / LongBench dataset2maxlen
+    gold: str = ""             # one correct continuation of the prompt (answer-fidelity suite)
+    n_tokens: int = 0          # prompt length with the tokenizer it was built with
+    all_classes: Optional[list] = None   # LongBench classification datasets (trec)
+    chat_template: bool = False  # LongBench pred.py wraps this dataset in the chat template
+    stop_at_newline: bool = False  # LongBench pred.py: samsum also stops at "\n"
+
+
+# ----------------------------------------------------------------------------- text source
+
+def source_text(split: str) -> str:
+    """`pydoc_data.topics` as one text: 'eval' = topics at even positions of the sorted keys,
+    'calib' = odd positions. reST heading underlines (`*****`, `=====`) are dropped."""
+    from pydoc_data.topics import topics
+    keys = sorted(topics)
+    chosen = {"eval": keys[0::2], "calib": keys[1::2]}[split]
+    text = "\n\n".join(topics[k].strip() for k in chosen)
+    return re.sub(r"(?m)^[ \t]*([*=\-~^])\1{2,}[ \t]*\n", "", text)
+
+
+def word_pool() -> list:
+    """Distinct lowercase words of 4-12 letters in all of `pydoc_data.topics`, sorted (~2,500):
+    our stand-in for RULER's `wonderwords` noun/adjective/verb lists (vocabulary, not passages)."""
+    from pydoc_data.topics import topics
+    return sorted(set(re.findall(r"\b[a-z]{4,12}\b", " ".join(topics[k] for k in sorted(topics)))))
+
+
+def _body(tok, text: str):
+    """(prefix, ids): the tokenizer's leading BOS if it adds one (Llama-3 does), and the rest."""
+    ids = tok.encode(text)
+    bos = getattr(tok, "bos_id", None)
+    return (ids[:1], ids[1:]) if bos is not None and ids[:1] == [bos] else ([], ids)
+
+
+def _window(tok, split, prompt_tokens, cont_tokens, seed, index):
+    prefix, ids = _body(tok, source_text(split))
+    n_body = prompt_tokens - len(prefix)                 # the prompt holds exactly prompt_tokens
+    need = n_body + cont_tokens
+    if n_body < 1 or cont_tokens < 0 or need > len(ids):
+        raise UsageError(f"cannot cut {prompt_tokens}+{cont_tokens} tokens from the {split} text "
+                         f"of pydoc_data.topics ({len(ids)} tokens with this tokenizer)")
+    # consecutive indexes take consecutive windows from a seeded offset, so one pass through the
+    # text (index < len(ids) // need) gives disjoint passages; later indexes wrap around, shifted
+    start = (random.Random(f"{split}/{seed}").randrange(len(ids)) + index * need) % (len(ids) - need + 1)
+    window = ids[start:start + need]
+    return prefix + window[:n_body], window[n_body:]
+
+
+def fidelity_text(tok, prompt_tokens: int, cont_tokens: int, seed: int = 0, index: int = 0):
+    """(prompt_ids, continuation_ids) from the evaluation half of `pydoc_data.topics`: a passage
+    of exactly `prompt_tokens` tokens (BOS included when the tokenizer adds one) and the
+    `cont_tokens` tokens of real text that follow it, for teacher forcing (SPEC.md §6 Fidelity)."""
+    return _window(tok, "eval", prompt_tokens, cont_tokens, seed, index)
+
+
+def calibration_texts(tok, n: int, prompt_tokens: int, cont_tokens: int, seed: int = 0) -> list:
+    """n (prompt_ids, continuation_ids) pairs like `fidelity_text`, from the *calibration* half
+    (odd sorted topics): disjoint from every evaluation passage (SPEC.md §4 calibration set)."""
+    return [_window(tok, "calib", prompt_tokens, cont_tokens, seed, i) for i in range(n)]
+
+
+# ----------------------------------------------------------------------------- fitting
+
+def fit(tok, target: int, build: Callable, task: str, n_min: int = 1, n_max: int = None):
+    """Largest haystack size n with len(encode(build(n)[0])) <= target, by doubling then
+    bisection (RULER `generate_samples`). build(n) -> (prompt, answers, gold). -> (n, n_tokens)."""
+    def length(n):
+        return len(tok.encode(build(n)[0]))
+    if length(n_min) > target:
+        raise UsageError(f"{task}: {target} tokens is too short, the smallest prompt has {length(n_min)}")
+    lo, hi = n_min, n_min * 2                        # double hi until it overflows the target,
+    while length(hi) <= target:                      # then bisect: length(lo) <= target < length(hi)
+        if n_max is not None and hi >= n_max:
+            raise UsageError(f"{task}: its word pool fills only {length(n_max)} of {target} tokens")
+        lo, hi = hi, hi * 2 if n_max is None else min(hi * 2, n_max)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if length(mid) <= target else (lo, mid)
+    return lo, length(lo)
+
+
+def _sample(task, index, tok, target, build, metric, max_new, **kw) -> Sample:
+    n, n_tokens = fit(tok, target, build, task, **kw)
+    prompt, answers, gold = build(n)
+    return Sample(task, index, prompt, answers, metric, max_new, gold=gold, n_tokens=n_tokens)
+
+
+# ----------------------------------------------------------------------------- RULER: needles
+
+# RULER scripts/data/synthetic/constants.py (TASKS['niah']); prepare.py appends the answer prefix.
+NIAH_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure "
+                 "to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+                 "What are all the special magic {type_needle_v} for {query} mentioned in the provided "
+                 "text? The special magic {type_needle_v} for {query} mentioned in the provided text are")
+NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."       # niah.py
+NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
+DEPTHS = [round(100 * i / 39) for i in range(40)]    # niah.py: np.round(np.linspace(0, 100, 40))
+
+# RULER scripts/synthetic.yaml; k/v/q = num_needle_k/v/q
+NIAH = {
+    "niah_single_1": dict(haystack="noise", key="words", value="numbers", k=1, v=1, q=1),
+    "niah_multikey_3": dict(haystack="needle", key="uuids", value="uuids", k=1, v=1, q=1),
+    "niah_multivalue": dict(haystack="essay", key="words", value="numbers", k=1, v=4, q=1),
+    "niah_multiquery": dict(haystack="essay", key="words", value="numbers", k=4, v=1, q=4),
+}
+
+
+def _random_needle_part(rng, kind, pool):
+    if kind == "numbers":                            # niah.py generate_random_number: 7 digits
+        return str(rng.randint(10 ** 6, 10 ** 7 - 1))
+    if kind == "uuids":
+        return str(uuid.UUID(int=rng.getrandbits(128), version=4))
+    return f"{rng.choice(pool)}-{rng.choice(pool)}"  # RULER: f"{adjective}-{noun}"
+
+
+def _insert(lines: list, items: list, fractions: list) -> list:
+    """Insert items before lines[int(u·len)] (RULER: random.sample of line indexes), in order."""
+    out = list(lines)
+    for item, u in sorted(zip(items, fractions), key=lambda p: -p[1]):   # back to front
+        out.insert(int(u * len(lines)), item)
+    return out
+
+
+def _noise_lines(n_words: int) -> list:
+    """The first n_words of NOISE repeated, one repetition per line (RULER: [NOISE] * n)."""
+    words = NOISE.split()
+    return [" ".join(words[j % len(words)] for j in range(i, min(i + len(words), n_words)))
+            for i in range(0, n_words, len(words))]
+
+
+def _essay_with(needles: list, depths: list, n_words: int, essay_words: list) -> str:
+    """niah.py 'essay' haystack: the first n_words (repeated if needed), split into sentences,
+    needle i inserted at sentence int(len · depth_i/100), all joined by spaces."""
+    text = " ".join(essay_words[j % len(essay_words)] for j in range(n_words))
+    sents = re.split(r"(?<=[.!?])\s+", text)
+    cuts = [0] + sorted(int(len(sents) * d / 100) for d in depths) + [len(sents)]
+    parts = []
+    for i in range(1, len(cuts)):
+        parts.append(" ".join(sents[cuts[i - 1]:cuts[i]]))
+        if i - 1 < len(needles):
+            parts.append(needles[i - 1])
+    return " ".join(parts)
+
+
+def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
+    """RULER needle-in-a-haystack `task` (a key of NIAH), niah.py `generate_input_output`."""
+    c = NIAH[task]
+    rng, pool = random.Random(f"{task}/{seed}/{index}"), word_pool()
+    n_keys = max(c["k"], c["q"])                     # niah.py: num_needle_k = max(k, q)
+    keys = [_random_needle_part(rng, c["key"], pool) for _ in range(n_keys)]
+    values = [[_random_needle_part(rng, c["value"], pool) for _ in range(c["v"])] for _ in keys]
+    needles = [NEEDLE.format(type_needle_v=c["value"], key=k, value=v)
+               for k, vs in zip(keys, values) for v in vs]
+    rng.shuffle(needles)
+    fractions = [rng.random() for _ in needles]      # where each needle goes, drawn once
+    depths = rng.sample(DEPTHS, len(needles))
+    asked = rng.sample(range(n_keys), c["q"])
+    answers = [v for i in asked for v in values[i]]
+    query = keys[asked[0]]
+    if c["q"] > 1:                                   # "a, b, c, and d"
+        query = ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]]
+    template, type_v = NIAH_TEMPLATE, c["value"]
+    if c["q"] * c["v"] == 1:                         # niah.py: singular wording for one answer
+        for a, b in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
+            template = template.replace(a, b)
+        type_v = type_v[:-1]
+    distractors = []                                 # needle haystack: grown on demand, prefix-stable
+    essay_words = source_text("eval").split() if c["haystack"] == "essay" else None
+
+    def build(n):
+        if c["haystack"] == "essay":
+            context = _essay_with(needles, depths, n, essay_words)
+        else:
+            if c["haystack"] == "noise":
+                lines = _noise_lines(n)
+            else:
+                while len(distractors) < n:
+                    distractors.append(NEEDLE.format(type_needle_v=c["value"],
+                                                     key=_random_needle_part(rng, c["key"], pool),
+                                                     value=_random_needle_part(rng, c["value"], pool)))
+                lines = distractors[:n]
+            context = "\n".join(_insert(lines, needles, fractions))
+        prompt = template.format(type_needle_v=type_v, context=context, query=query)
+        return prompt, answers, " " + ", ".join(answers)
+    return _sample(task, index, tok, target, build, "string_match_all", 128)
+
+
+# ----------------------------------------------------------------------------- RULER: vt, fwe, cwe
+
+# RULER constants.py TASKS['variable_tracking'], template + answer prefix
+VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+               "{context}\nQuestion: Find all variables that are assigned the value {query} in the text "
+               "above. Answer: According to the chain(s) of variable assignment in the text above, "
+               "{num_v} variables are assigned the value {query}, they are: ")
+VT_HOPS = 4                 # synthetic.yaml vt: num_chains 1, num_hops 4
+VT_EXAMPLE_WORDS = 180      # [choice] the one-shot example's noise: 10 lines (RULER fits it to 500 tokens)
+
+
+def _vt_chain(rng, var_len: int):
+    """One chain `VAR A = 12345`, `VAR B = VAR A `, ... (variable_tracking.py generate_chains)
+    hidden in order at random lines of the noise haystack -> (text(n_words), variables)."""
+    names = []
+    while len(names) < VT_HOPS + 1:
+        name = "".join(rng.choices(string.ascii_uppercase, k=var_len))
+        names += [name] if name not in names else []
+    value = str(rng.randint(10000, 99998))           # np.random.randint(10000, 99999)
+    chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(VT_HOPS)]
+    fractions = sorted(rng.random() for _ in chain)
+
+    def text(n):
+        lines = _noise_lines(n)
+        for j, (line, u) in enumerate(zip(chain, fractions)):    # insert_pi + j keeps the order
+            lines.insert(int(u * (len(lines) - j)) + j, line)
+        return VT_TEMPLATE.format(context="\n".join(lines), query=value, num_v=VT_HOPS + 1)
+    return text, names
+
+
+def vt(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
+    """RULER variable tracking with its one-shot example (variable_tracking.py `add_fewshot`:
+    3-letter variables, then the example's answer, then the task with 5-letter variables)."""
+    rng = random.Random(f"vt/{seed}/{index}")
+    example, example_vars = _vt_chain(rng, 3)
+    shot = example(VT_EXAMPLE_WORDS) + " " + " ".join(example_vars) + "\n"
+    text, names = _vt_chain(rng, 5)
+    build = lambda n: (shot + "\n" + text(n), names, " ".join(names))
+    return _sample("vt", index, tok, target, build, "string_match_all", 30)
+
+
+# RULER constants.py TASKS['freq_words_extraction'], template + answer prefix
+FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the "
+                "three most frequently appeared coded words. {context}\nQuestion: Do not provide any "
+                "explanation. Please ignore the dots '....'. What are the three most frequently appeared "
+                "words in the above coded text? Answer: According to the coded text above, the three "
+                "most frequently appeared words are:")
+
+
+def fwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
+    """RULER frequent-words extraction (freq_words_extraction.py): coded words of 6 letters with
+    Zipf counts c_k = int(N·k^-α/ζ(α)), α = 2; rank 1 becomes '...' (noise), ranks 2-4 are the
+    answer. The haystack size is N."""
+    rng = random.Random(f"fwe/{seed}/{index}")
+    vocab_size, alpha = max(target // 50, 10), 2.0   # RULER: vocab_size = max_seq_length // 50
+    vocab = set()
+    while len(vocab) < vocab_size:
+        vocab.add("".join(rng.choices(string.ascii_lowercase, k=6)))
+    vocab = sorted(vocab)
+    rng.shuffle(vocab)
+    vocab[0] = "..."
+    zeta = math.pi ** 2 / 6                          # ζ(2) (RULER: scipy.special.zeta(alpha))
+    shuffle_seed = rng.random()                      # RULER shuffles with one fixed seed at every N
+
+    def build(n):
+        words = [w for k, w in enumerate(vocab, 1) for _ in range(int(n * k ** -alpha / zeta))]
+        random.Random(shuffle_seed).shuffle(words)
+        return FWE_TEMPLATE.format(context=" ".join(words)), vocab[1:4], " " + " ".join(vocab[1:4])
+    return _sample("fwe", index, tok, target, build, "string_match_all", 50)
+
+
+# RULER constants.py TASKS['common_words_extraction'], template + answer prefix
+CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. "
+                "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most "
+                "common words in the above list? Answer: The top 10 words that appear most often in the "
+                "list are:")
+
+
+def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
+    """RULER common-words extraction (common_words_extraction.py): 10 common words repeated
+    freq_cw times among words repeated freq_ucw times, numbered `1. w 2. w ...`, after one solved
+    example. RULER's short-context setting (< 4096 tokens): example (20 words, 3×, 1×), task
+    (6×, 1×); otherwise example (40, 10×, 3×), task (30×, 3×). The haystack size is the number
+    of distinct words."""
+    rng, pool = random.Random(f"cwe/{seed}/{index}"), word_pool()
+    (n_ex, ex_cw, ex_ucw), (cw, ucw) = ((20, 3, 1), (6, 1)) if target < 4096 else ((40, 10, 3), (30, 3))
+    numbered = lambda ws: " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))
+
+    def listing(words, f_cw, f_ucw, shuffle_seed):
+        listed = words[:10] * f_cw + words[10:] * f_ucw
+        random.Random(shuffle_seed).shuffle(listed)
+        return CWE_TEMPLATE.format(context=numbered(listed))
+    ex_words = rng.sample(pool, n_ex)
+    shot = listing(ex_words, ex_cw, ex_ucw, rng.random()) + " " + numbered(ex_words[:10])
+    order, shuffle_seed = rng.sample(pool, len(pool)), rng.random()
+    build = lambda n: (shot + "\n" + listing(order[:n], cw, ucw, shuffle_seed), order[:10],
+                       " " + numbered(order[:10]))
+    return _sample("cwe", index, tok, target, build, "string_match_all", 120, n_min=10, n_max=len(pool))
+
+
+# name -> gen(tokenizer, target_tokens, seed, index) -> Sample
+RULER_TASKS = {**{name: functools.partial(niah, name) for name in NIAH}, "vt": vt, "fwe": fwe, "cwe": cwe}
+
+
+# ----------------------------------------------------------------------------- metrics
+
+def string_match_all(pred: str, refs: list) -> float:
+    """RULER: 100 · mean_r [r.lower() in pred.lower()]."""
+    return 100.0 * sum(r.lower() in pred.lower() for r in refs) / len(refs)
+
+
+def string_match_part(pred: str, refs: list) -> float:
+    """RULER: 100 · max_r [r.lower() in pred.lower()]."""
+    return 100.0 * max(r.lower() in pred.lower() for r in refs)
+
+
+def normalize_answer(s: str) -> str:
+    """LongBench (from SQuAD): lowercase, drop punctuation, drop articles, squeeze whitespace."""
+    s = "".join(ch for ch in s.lower() if ch not in set(string.punctuation))
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", s).split())
+
+
+def qa_f1_score(prediction: str, ground_truth: str, **_) -> float:
+    """Token F1 = 2PR/(P+R) over the bags of normalized words (LongBench f1_score)."""
+    pred, gt = normalize_answer(prediction).split(), normalize_answer(ground_truth).split()
+    same = sum((Counter(pred) & Counter(gt)).values())
+    if same == 0:
+        return 0.0
+    p, r = same / len(pred), same / len(gt)
+    return 2 * p * r / (p + r)
+
+
+def _lcs(x: list, y: list) -> list:
+    """One longest common subsequence of x and y, traced back as pltrdy/rouge `_recon_lcs` does
+    (on a tie, step back in y), iteratively (the original recursion fails past ~1000 words)."""
+    t = [[0] * (len(y) + 1) for _ in range(len(x) + 1)]   # t[i][j] = |LCS(x[:i], y[:j])|
+    for i in range(1, len(x) + 1):
+        for j in range(1, len(y) + 1):
+            t[i][j] = t[i - 1][j - 1] + 1 if x[i - 1] == y[j - 1] else max(t[i - 1][j], t[i][j - 1])
+    out, i, j = [], len(x), len(y)
+    while i and j:
+        if x[i - 1] == y[j - 1]:
+            out.append(x[i - 1]); i -= 1; j -= 1
+        elif t[i - 1][j] > t[i][j - 1]:
+            i -= 1
+        else:
+            j -= 1
+    return out[::-1]
+
+
+def rouge_score(prediction: str, ground_truth: str, **_) -> float:
+    """ROUGE-L F1 as LongBench gets it from `rouge` 1.0.1 (`Rouge().get_scores(...)['rouge-l']['f']`):
+    summary level. Texts split into sentences at '.', words at single spaces; with word *sets*
+    (exclusive=True): m = |words(ref)|, n = |words(hyp)|, L = |∪_{r,h} LCS(r, h)|,
+    R = L/m, P = L/n, F = 2PR/(P + R + 1e-8). An empty side makes `rouge` raise; LongBench then
+    scores 0. For one sentence without repeated words this is the plain LCS F1."""
+    sents = lambda s: [" ".join(p.split()) for p in s.split(".") if len(p) > 0]
+    hyp, ref = sents(prediction), sents(ground_truth)
+    if not hyp or not ref:
+        return 0.0
+    words = lambda ss: {w for s in ss for w in s.split(" ")}
+    union = set()
+    for r in ref:
+        for h in hyp:
+            union |= set(_lcs(r.split(" "), h.split(" ")))
+    rec, prec = len(union) / len(words(ref)), len(union) / len(words(hyp))
+    return 2.0 * prec * rec / (prec + rec + 1e-8)
+
+
+def classification_score(prediction: str, ground_truth: str, all_classes=(), **_) -> float:
+    """LongBench: classes found (as substrings) in the prediction; a match that is a substring of
+    the ground truth but not equal to it is removed. Quirk kept: the removal loop mutates the list
+    it walks, so the element right after a removed one is skipped. 1/len(matches) if the truth is
+    among them."""
+    matches = [c for c in all_classes if c in prediction]
+    for m in matches:                                # sic: list mutated while iterated
+        if m in ground_truth and m != ground_truth:
+            matches.remove(m)
+    return 1.0 / len(matches) if ground_truth in matches else 0.0
+
+
+def retrieval_score(prediction: str, ground_truth: str, **_) -> float:
+    """LongBench passage_retrieval_en: the id in 'Paragraph (\\d+)' of the truth; the score is the
+    share of the prediction's numbers equal to it (0 if it has none)."""
+    truth = re.findall(r"Paragraph (\d+)", ground_truth)[0]
+    numbers = re.findall(r"\d+", prediction)
+    return sum(n == truth for n in numbers) / len(numbers) if numbers else 0.0
+
+
+def count_score(prediction: str, ground_truth: str, **_) -> float:
+    """LongBench passage_count: share of the prediction's numbers equal to the truth."""
+    numbers = re.findall(r"\d+", prediction)
+    return sum(n == str(ground_truth) for n in numbers) / len(numbers) if numbers else 0.0
+
+
+def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
+    """LongBench lcc/repobench-p: the first line without '`', '#' or '//' (else ""), compared by
+    fuzzywuzzy `fuzz.ratio` / 100. fuzz.ratio = round(100·ratio) of difflib.SequenceMatcher (its
+    pure-Python path; with python-Levenshtein installed it differs slightly), 100 if the strings
+    are equal, 0 if one is empty."""
+    line = next((l for l in prediction.lstrip("\n").split("\n")
+                 if "`" not in l and "#" not in l and "//" not in l), "")
+    if line == ground_truth:
+        return 1.0
+    if not line or not ground_truth:
+        return 0.0
+    return round(100 * difflib.SequenceMatcher(None, line, ground_truth).ratio()) / 100
+
+
+METRICS = {f.__name__: f for f in (string_match_all, string_match_part, qa_f1_score, rouge_score,
+                                   classification_score, retrieval_score, count_score, code_sim_score)}
+
+
+def score(sample: Sample, pred: str) -> float:
+    """One sample's score in [0, 100], with each benchmark's post-processing of the prediction."""
+    fn = METRICS[sample.metric]
+    if sample.metric.startswith("string_match"):
+        # RULER scripts/eval/evaluate.py postprocess_pred: control characters become newlines
+        return fn(re.sub(r"[\x00-\x1f]", "\n", pred.strip()).strip(), sample.answers)
+    if sample.task in ("trec", "triviaqa", "samsum", "lsht"):    # LongBench eval.py scorer
+        pred = pred.lstrip("\n").split("\n")[0]
+    return 100.0 * max((fn(pred, gt, all_classes=sample.all_classes or ()) for gt in sample.answers),
+                       default=0.0)
+
+
+# ----------------------------------------------------------------------------- LongBench
+
+# THUDM/LongBench LongBench/config/dataset2prompt.json (English datasets), verbatim
+_PASSAGES_QA = "Answer the question based on the given passages. Only give me the answer and do not output any other words.\n\nThe following are given passages.\n{context}\n\nAnswer the question based on the given passages. Only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:"   # hotpotqa, 2wikimqa, musique
+LONGBENCH_PROMPTS = {
+    "narrativeqa": "You are given a story, which can be either a novel or a movie script, and a question. Answer the question asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nStory: {context}\n\nNow, answer the question based on the story asconcisely as you can, using a single phrase if possible. Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
+    "qasper": "You are given a scientific article and a question. Answer the question as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nArticle: {context}\n\n Answer the question based on the above article as concisely as you can, using a single phrase or sentence if possible. If the question cannot be answered based on the information in the article, write \"unanswerable\". If the question is a yes/no question, answer \"yes\", \"no\", or \"unanswerable\". Do not provide any explanation.\n\nQuestion: {input}\n\nAnswer:",
+    "multifieldqa_en": "Read the following text and answer briefly.\n\n{context}\n\nNow, answer the following question based on the above text, only give me the answer and do not output any other words.\n\nQuestion: {input}\nAnswer:",
+    "hotpotqa": _PASSAGES_QA,
+    "2wikimqa": _PASSAGES_QA,
+    "musique": _PASSAGES_QA,
+    "gov_report": "You are given a report by a government agency. Write a one-page summary of the report.\n\nReport:\n{context}\n\nNow, write a one-page summary of the report.\n\nSummary:",
+    "qmsum": "You are given a meeting transcript and a query containing a question or instruction. Answer the query in one or more sentences.\n\nTranscript:\n{context}\n\nNow, answer the query based on the above meeting transcript in one or more sentences.\n\nQuery: {input}\nAnswer:",
+    "multi_news": "You are given several news passages. Write a one-page summary of all news. \n\nNews:\n{context}\n\nNow, write a one-page summary of all the news.\n\nSummary:",
+    "trec": "Please determine the type of the question below. Here are some examples of questions.\n\n{context}\n{input}",
+    "triviaqa": "Answer the question based on the given passage. Only give me the answer and do not output any other words. The following are some examples.\n\n{context}\n\n{input}",
+    "samsum": "Summarize the dialogue into a few short sentences. The following are some examples.\n\n{context}\n\n{input}",
+    "passage_count": "There are some paragraphs below sourced from Wikipedia. Some of them may be duplicates. Please carefully read these paragraphs and determine how many unique paragraphs there are after removing duplicates. In other words, how many non-repeating paragraphs are there in total?\n\n{context}\n\nPlease enter the final count of unique paragraphs after removing duplicates. The output format should only contain the number, such as 1, 2, 3, and so on.\n\nThe final answer is: ",
+    "passage_retrieval_en": "Here are 30 paragraphs from Wikipedia, along with an abstract. Please determine which paragraph the abstract is from.\n\n{context}\n\nThe following is an abstract.\n\n{input}\n\nPlease enter the number of the paragraph that the abstract is from. The answer format must be like \"Paragraph 1\", \"Paragraph 2\", etc.\n\nThe answer is: ",
+    "lcc": "Please complete the code given below. \n{context}Next line of code:\n",
+    "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
+}
+# LongBench/config/dataset2maxlen.json: max new tokens
+LONGBENCH_MAXLEN = {"narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32,
+                    "2wikimqa": 32, "musique": 32, "gov_report": 512, "qmsum": 512, "multi_news": 512,
+                    "trec": 64, "triviaqa": 32, "samsum": 128, "passage_count": 32,
+                    "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64}
+# LongBench/eval.py dataset2metric
+LONGBENCH_METRIC = {**dict.fromkeys(["narrativeqa", "qasper", "multifieldqa_en", "hotpotqa", "2wikimqa",
+                                     "musique", "triviaqa"], "qa_f1_score"),
+                    **dict.fromkeys(["gov_report", "qmsum", "multi_news", "samsum"], "rouge_score"),
+                    "trec": "classification_score", "passage_count": "count_score",
+                    "passage_retrieval_en": "retrieval_score", "lcc": "code_sim_score",
+                    "repobench-p": "code_sim_score"}
+NO_CHAT = ("trec", "triviaqa", "samsum", "lsht", "lcc", "repobench-p")   # pred.py: raw prompt
+
+
+def _read_jsonl(path: Path) -> list:
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise UsageError(f"cannot read {path}: {e}")
+    rows = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"{path}:{n}: not valid JSON ({e.msg})")
+        if not isinstance(row, dict):
+            raise UsageError(f"{path}:{n}: expected a JSON object")
+        for name, kind in (("input", str), ("context", str), ("answers", list)):
+            if not isinstance(row.get(name), kind):
+                raise UsageError(f"{path}:{n}: field {name!r} missing or not a {kind.__name__}")
+        rows.append(row)
+    return rows
+
+
+def load_longbench(data_dir, tok, max_length: int) -> list:
+    """Every `<dataset>.jsonl` of an English LongBench dataset found in data_dir -> Samples.
+    Prompt = dataset2prompt template filled with `context` and `input`; if it has more than
+    max_length tokens, keep the first and the last int(max_length/2) tokens, each half decoded
+    on its own and the two texts concatenated (LongBench pred.py)."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise UsageError(f"LongBench data folder {str(data_dir)!r} does not exist")
+    if max_length < 2:
+        raise UsageError(f"max_length must be at least 2, got {max_length}")
+    found = [d for d in LONGBENCH_PROMPTS if (data_dir / f"{d}.jsonl").is_file()]
+    if not found:
+        raise UsageError(f"{str(data_dir)!r} holds none of the LongBench files "
+                         f"{', '.join(d + '.jsonl' for d in LONGBENCH_PROMPTS)}")
+    samples = []
+    for dataset in found:
+        for i, row in enumerate(_read_jsonl(data_dir / f"{dataset}.jsonl")):
+            prompt = LONGBENCH_PROMPTS[dataset].format(context=row["context"], input=row["input"])
+            ids = tok.encode(prompt)
+            if len(ids) > max_length:                # truncate in the middle
+                half = int(max_length / 2)
+                prompt = tok.decode(ids[:half]) + tok.decode(ids[-half:])
+                ids = tok.encode(prompt)
+            samples.append(Sample(dataset, i, prompt, [str(a) for a in row["answers"]],
+                                  LONGBENCH_METRIC[dataset], LONGBENCH_MAXLEN[dataset],
+                                  n_tokens=len(ids), all_classes=row.get("all_classes"),
+                                  chat_template=dataset not in NO_CHAT,
+                                  stop_at_newline=dataset == "samsum"))
+    return samples
