@@ -201,6 +201,11 @@ class Cache:
     def entries(self) -> int:
         return sum(lc.real_entries() for lc in self.layers)
 
+    def fork(self) -> "Cache":
+        """An independent cache sharing the tensors (LayerCache ops never write in place).
+        Decode hooks are stateful, so a fork starts without them."""
+        return Cache(list(self.layers), self.next_pos, self.last_logits)
+
 
 @dataclass
 class Hooks:
