@@ -235,33 +235,42 @@ def attention(q, k, v, bias, q_pos, k_pos):
 
 
 def attention_probs(q, k, bias, q_pos, k_pos) -> torch.Tensor:
-    """A[b, h, i, j] (B, H, T, S) in fp32 (fp64 for fp64 inputs); rows with no key give zeros."""
-    H, D = q.shape[1], q.shape[-1]
+    """A[b, h, i, j] (B, H, T, S) in fp32 (fp64 for fp64 inputs); rows with no key give zeros.
+
+    Computed per KV group: q viewed as (B, G, g, T, D) against k (B, G, 1, S, D), so keys,
+    bias and mask are never copied H/G times."""
+    B, H, T, D = q.shape
+    G, S = k.shape[1], k.shape[2]
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kk = repeat_kv(k, H)                                                      # (B, H, S, D)
-    logits = (q.to(acc) @ kk.to(acc).transpose(-1, -2)) / math.sqrt(D)        # (B, H, T, S)
-    logits = logits + repeat_kv(bias, H).to(acc)[:, :, None, :]
-    visible = (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
-    logits = logits.masked_fill(~repeat_kv(visible, H), float("-inf"))        # (B, H, T, S)
-    return torch.softmax(logits, dim=-1).nan_to_num(0.0)
+    qg = q.to(acc).view(B, G, H // G, T, D)                                   # (B, G, g, T, D)
+    logits = qg @ k.to(acc)[:, :, None].transpose(-1, -2) / math.sqrt(D)      # (B, G, g, T, S)
+    logits = logits + bias.to(acc)[:, :, None, None, :]
+    logits = logits.masked_fill(~visible_mask(q_pos, k_pos)[:, :, None], float("-inf"))
+    return torch.softmax(logits, dim=-1).nan_to_num(0.0).view(B, H, T, S)
+
+
+def visible_mask(q_pos, k_pos) -> torch.Tensor:
+    """(B, G, T, S) bool: key j visible to query i iff 0 <= k_pos_j <= q_pos_i (causal by position)."""
+    kp = k_pos[:, :, None, :]                                                 # (B, G, 1, S)
+    return (kp <= q_pos[:, None, :, None]) & (kp >= 0)
 
 
 def attention_sdpa(q, k, v, bias, q_pos, k_pos):
     """Same result as `attention` through torch's fused kernel (flash/memory-efficient on GPU)."""
-    H = q.shape[1]
-    if bool((k_pos.shape[2] == q_pos.shape[1]) and (bias == 0).all()
-            and (k_pos == q_pos[:, None, :]).all()):
+    B, H, T, _ = q.shape
+    G, S = k.shape[1], k.shape[2]
+    if bool((S == T) and (bias == 0).all() and (k_pos == q_pos[:, None, :]).all()):
         # a fresh prefill: keys are exactly the queries' tokens -> plain causal mask
-        return F.scaled_dot_product_attention(q, repeat_kv(k, H), repeat_kv(v, H), is_causal=True)
-    visible = (k_pos[:, :, None, :] <= q_pos[:, None, :, None]) & (k_pos[:, :, None, :] >= 0)
-    mask = bias[:, :, None, :].masked_fill(~visible, float("-inf"))             # (B, G, T, S)
-    return F.scaled_dot_product_attention(q, repeat_kv(k, H), repeat_kv(v, H),
-                                          attn_mask=repeat_kv(mask, H).to(q.dtype))
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))  # (B, G, T, S)
+    mask = mask[:, :, None].expand(B, G, H // G, T, S).reshape(B, H, T, S)    # (B, H, T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=True)
 
 
 def repeat_kv(x: torch.Tensor, H: int) -> torch.Tensor:
     """(B, G, ...) -> (B, H, ...): each KV head serves its g = H/G consecutive query heads."""
-    return x.repeat_interleave(H // x.shape[1], dim=1)
+    B, G = x.shape[:2]
+    return x[:, :, None].expand(B, G, H // G, *x.shape[2:]).reshape(B, H, *x.shape[2:])
 
 
 # ----------------------------------------------------------------------------- modules
