@@ -70,16 +70,20 @@ NEEDS = {"full": set(), "streaming": set(), "random": set(), "h2o": {"colsum"},
 def attention_stats(q, q_pos, lc, needs: set, s: RuleSettings) -> dict:
     """Per-head attention statistics of the new queries q (B, H, T, D) over the layer cache lc.
 
-    Each entry is (B, H, S) fp32; never materialises more than (B, H, chunk, S)."""
-    out, T = {}, q.shape[2]
-    probs = lambda a, b: attention_probs(q[:, :, a:b], lc.k, lc.bias, q_pos[:, a:b], lc.pos)
-    if "last" in needs:
-        out["last"] = probs(T - 1, T)[:, :, 0]                                # (B, H, S)
-    if "window" in needs:
-        out["window"] = probs(max(0, T - s.window), T).sum(2)                 # (B, H, S)
-    if "colsum" in needs:
-        out["colsum"] = sum(probs(a, min(a + s.chunk, T)).sum(2)             # (B, H, S)
-                            for a in range(0, T, s.chunk))
+    Each entry is (B, H, S) fp32. Queries are processed chunk by chunk (all of them for colsum,
+    only the last w otherwise), so at most (B, H, chunk, S) probabilities exist at once."""
+    T = q.shape[2]
+    first = 0 if "colsum" in needs else max(0, T - s.window) if "window" in needs else T - 1
+    out = {}
+    for a in range(first, T if needs else first, s.chunk):
+        b = min(a + s.chunk, T)
+        p = attention_probs(q[:, :, a:b], lc.k, lc.bias, q_pos[:, a:b], lc.pos)  # (B, H, b−a, S)
+        parts = {"colsum": p.sum(2),                                          # Σ_{all i} A[h,i,j]
+                 "window": p[:, :, max(0, T - s.window - a):].sum(2),         # Σ_{i ≥ T−w} A[h,i,j]
+                 "last": p[:, :, -1] if b == T else None}                     # A[h,T−1,j]
+        for k in needs:
+            if parts[k] is not None:
+                out[k] = out[k] + parts[k] if k in out and k != "last" else parts[k]
     return out
 
 
