@@ -9,3 +9,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 settings.register_profile("ci", deadline=None, derandomize=True, max_examples=15)
 settings.register_profile("dev", deadline=None, max_examples=15)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "embedded: needs the embedded SmolLM2 default (fetched once from the package "
+        "registry); skips outside CI when the registry is unreachable, never skips in CI")
