@@ -167,9 +167,11 @@ def test_cached_decoding_equals_uncached(cfg, seed, B, T, data):
     m = random_model(cfg, seed)
     toks = tokens_for(cfg, B, T, seed)
     p = data.draw(st.integers(1, T - 1), label="prompt length")
+    naive = naive_logits(m, toks)                                             # (B, T, V)
     for sdpa in (False, True):
         m.sdpa = sdpa
         _, full = run64(m, m, toks)                                           # (B, T, V)
+        assert torch.allclose(full, naive, **EXACT)
         cache, first = run64(m, model.prefill, m, toks[:, :p])
         assert torch.allclose(first[:, 0], full[:, p - 1], **EXACT)
         assert cache.next_pos == p and all(lc.size == p for lc in cache.layers)
@@ -183,7 +185,6 @@ def test_cached_decoding_equals_uncached(cfg, seed, B, T, data):
         for fn in (m.step, lambda t, c: model.decode(m, t, c)):            # all at once
             cache = model.prefill(m, toks[:, :p])
             assert torch.allclose(run64(m, fn, toks[:, p:], cache)[1], full[:, p:], **EXACT)
-    assert torch.allclose(full, naive_logits(m, toks), **EXACT)
 
 
 # ----------------------------------------------------------------------------- 2. SDPA, GQA
