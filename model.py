@@ -355,7 +355,8 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.register_buffer("inv_freq", rope_inv_freq(cfg), persistent=False)   # (D/2,) fp64
+        # (D/2,) fp64, a plain attribute so that .to(bfloat16) never rounds the frequencies
+        self.inv_freq = rope_inv_freq(cfg)
 
     @property
     def device(self):
@@ -369,7 +370,8 @@ class Llama(nn.Module):
              last_only: bool = False) -> torch.Tensor:
         """Feed tokens (B, T) at positions cache.next_pos.. ; updates cache in place.
 
-        Returns logits (B, T, V) in fp32 (only the last position, (B, 1, V), if last_only)."""
+        Returns logits (B, T, V) in fp32, fp64 for an fp64 model (only the last position,
+        (B, 1, V), if last_only)."""
         B, T = tokens.shape
         pos = torch.arange(cache.next_pos, cache.next_pos + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)                                         # (B, T, dim)
@@ -380,7 +382,8 @@ class Llama(nn.Module):
             x = x + blk.mlp(blk.post_attention_layernorm(x))
         if last_only:
             x = x[:, -1:]
-        logits = self.lm_head(self.norm(x)).float()                          # (B, T|1, V)
+        logits = self.lm_head(self.norm(x))                                  # (B, T|1, V)
+        logits = logits if logits.dtype == torch.float64 else logits.float()
         cache.next_pos += T
         cache.last_logits = logits[:, -1]
         return logits

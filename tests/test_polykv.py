@@ -57,7 +57,9 @@ def test_budget_at_least_T_is_fullkv(rule, T, seed):
     want = M.decode(m, cont, ref)
     cache = P.prefill(m, prompt, policy(rule, T + 4, m, T))
     assert torch.equal(cache.last_logits, first)
-    assert torch.equal(M.decode(m, cont, cache), want)
+    # rules with decode hooks feed the continuation token by token, FullKV in one step:
+    # the same attention up to fp64 summation order (MKL blocks by row count)
+    assert torch.allclose(M.decode(m, cont, cache), want, atol=1e-12, rtol=0)
 
 
 @given(st.sampled_from(P.RULES), st.integers(5, 20), st.integers(12, 40), st.integers(0, 3))
