@@ -1,0 +1,424 @@
+"""The benchmark: every method against FullKV at one or several budgets, offline.
+
+`python evaluate.py --budget 512` runs the default suite on the embedded model and prints one
+Markdown table (rows = methods, columns = tasks). Suites (SPEC.md §6, data from tasks.py):
+- fidelity: natural-text prompts, compressed, then the real next tokens teacher-forced;
+  KL(FullKV ‖ method) of the next-token distributions, ΔNLL vs FullKV, top-1 agreement.
+- RULER-style retrieval: greedy answers scored with `string_match_all`, and *answer fidelity*:
+  the gold answer teacher-forced after the answer prefix, its ΔNLL and KL vs FullKV.
+- LongBench (`--data DIR`): greedy answers scored with the official metrics.
+
+Protocol (SnapKV / PyramidKV / KVCache-Factory): the whole prompt is prefilled with full
+attention, then compressed once; so the first generated token is always predicted from full
+attention, identically for every method, and only later tokens see the compressed cache. All
+methods of one sample share that one prefill (and its attention statistics); each method costs
+only its compression and decoding. Teacher-forced distributions count from the first
+continuation token (predicted from the prefill's last logits) on.
+
+Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
+with the same arguments skips what is there. OUT/summary.json (flat rows for scripts) and
+OUT/summary.md (the table) are written at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import model as M
+import polykv as P
+import tasks as TK
+from model import UsageError
+
+UNIFORM = ("full", "streaming", "h2o", "tova", "snapkv", "pyramidkv", "random")
+METHODS = UNIFORM + ("polykv", "polykv-pattern", "polykv-budget", "gracekv")
+DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
+# the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
+# full cache at the default length (README: measured FullKV scores and why the others are out)
+DEFAULT_RULER = ("niah_single_1",)
+
+
+# ----------------------------------------------------------------------------- one sample
+
+@dataclass
+class Item:
+    """One prompt of a suite: tokens (1, T) and what to do with them."""
+    task: str
+    index: int
+    length: int                 # the target length (task column)
+    tokens: torch.Tensor        # (1, T)
+    sample: TK.Sample = None    # RULER / LongBench: answers, metric, max_new_tokens, gold
+    target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
+
+
+def teacher_force(model, cache, target) -> torch.Tensor:
+    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32; the first row is the prefill's."""
+    first = cache.last_logits[:, None]                                        # (1, 1, V)
+    rest = M.decode(model, target[:, :-1], cache) if target.shape[1] > 1 else first[:, :0]
+    return torch.log_softmax(torch.cat((first, rest), 1)[0].float(), -1)     # (n, V)
+
+
+def compare(ref_lp, lp, target) -> dict:
+    """KL(FullKV ‖ method), ΔNLL and top-1 agreement over the n teacher-forced positions."""
+    tgt = target[0].to(lp.device)
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).mean()          # Σ p (log p − log q)
+    nll = -lp.gather(1, tgt[:, None]).mean()
+    ref_nll = -ref_lp.gather(1, tgt[:, None]).mean()
+    top1 = (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()
+    return {"kl": float(kl), "dnll": float(nll - ref_nll), "top1": 100 * float(top1)}
+
+
+class Methods:
+    """Turns a method name + budget into a compressed cache from one shared FullKV prefill."""
+
+    def __init__(self, model, tok, args):
+        self.model, self.tok, self.args = model, tok, args
+        self.L = model.config.n_layers
+        self.policies = {}
+
+    def calibrated(self, budget):
+        if "cal" not in self.policies:
+            if self.args.policy:
+                pol = P.Policy.load(self.args.policy, n_layers=self.L)
+            else:
+                import calibrate
+                pol = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
+                                           self.args.seed, Path(self.args.cache_dir))
+            self.policies["cal"] = pol
+        pol = self.policies["cal"]
+        return pol if pol.budget == budget else pol.rescaled(budget)
+
+    def best_uniform(self, budget):
+        """The best single rule on the calibration set (recorded by calibrate.py)."""
+        return self.calibrated(budget).meta.get("best_uniform", "snapkv")
+
+    def policy(self, method, budget, T) -> P.Policy:
+        if method == "pyramidkv":
+            return P.Policy.pyramid(budget, self.L, T)
+        if method in UNIFORM:
+            return P.Policy.uniform(method, budget, self.L)
+        if method == "polykv":
+            return self.calibrated(budget)
+        import calibrate
+        if method == "polykv-pattern":
+            return calibrate.pattern_only(self.calibrated(budget))
+        return calibrate.budget_only(self.calibrated(budget), self.best_uniform(budget))
+
+    def compress(self, method, budget, tokens, full, stats):
+        if method == "gracekv":
+            import gracekv
+            return gracekv.compress(self.model, tokens, full, stats["gracekv"], budget)
+        return P.compress(full, stats["polykv"], self.policy(method, budget, tokens.shape[1]))
+
+
+def observe(model, tokens, methods):
+    """The one shared prefill: FullKV cache + every statistic the methods need."""
+    L = model.config.n_layers
+    needs = [{"colsum", "window", "last"}] * L
+    hooks, gk = None, None
+    if "gracekv" in methods:
+        import gracekv
+        gk = gracekv.Observer(model, tokens)
+    stats = [dict() for _ in range(L)]
+    s = P.RuleSettings()
+
+    def post_kernel(layer, q, q_pos, lc, out):
+        stats[layer] = P.attention_stats(q, q_pos, lc, needs[layer], s)
+        if gk is not None:
+            gk.post_kernel(layer, q, q_pos, lc, out)
+    hooks = M.Hooks(pre_kernel=gk.pre_kernel if gk else None, post_kernel=post_kernel)
+    cache = M.prefill(model, tokens, hooks)
+    return cache, {"polykv": stats, "gracekv": gk.finish(cache) if gk else None}
+
+
+def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
+    """All (method, budget) results of one item not in done, as dicts."""
+    T = item.tokens.shape[1]
+    full, stats = observe(model, item.tokens, names)
+    ref_lp = teacher_force(model, full.fork(), item.target) if item.target is not None else None
+    L, G = model.config.n_layers, model.config.n_kv_heads
+    out = []
+    for budget in budgets:
+        for name in names:
+            key = result_key(name, budget, item)
+            if key in done:
+                continue
+            t0 = time.perf_counter()
+            cache = methods.compress(name, budget, item.tokens, full, stats)
+            t_c = time.perf_counter() - t0
+            r = {"key": key, "method": name, "budget": budget, "task": item.task,
+                 "length": item.length, "index": item.index, "n_tokens": T,
+                 "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4)}
+            if item.target is not None:
+                r.update(compare(ref_lp, teacher_force(model, cache, item.target), item.target))
+            if item.sample is not None:
+                if item.target is not None:   # teacher forcing consumed it: compress again
+                    cache = methods.compress(name, budget, item.tokens, full, stats)
+                ids = M.greedy(model, cache, min(item.sample.max_new_tokens, methods.args.max_new_tokens),
+                               tok.eos_ids)
+                r["pred"] = tok.decode(ids)
+                r["score"] = TK.score(item.sample, r["pred"])
+            out.append(r)
+    return out
+
+
+def result_key(name, budget, item) -> str:
+    return f"{name}|{budget}|{item.task}|{item.length}|{item.index}"
+
+
+# ----------------------------------------------------------------------------- suites
+
+def build_items(tok, args, model):
+    """The suite, deterministic from args.seed: fidelity prompts, RULER tasks, LongBench."""
+    dev = model.device
+    as_t = lambda ids: torch.tensor([ids], device=dev)
+    items = []
+    for length in args.fidelity_length:
+        for i in range(args.fidelity_samples):
+            p, c = TK.fidelity_text(tok, length, args.cont_len, args.seed, i)
+            items.append(Item("fidelity", i, length, as_t(p), target=as_t(c)))
+    for length in args.length:
+        for task in args.tasks:
+            for i in range(args.samples):
+                s = TK.RULER_TASKS[task](tok, length, args.seed, i)
+                ids = tok.encode(s.prompt)
+                gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
+                items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None))
+    if args.data:
+        for i, s in enumerate(TK.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
+            items.append(Item(s.task, s.index, 0, as_t(tok.encode(s.prompt)), s))
+    for it in items:
+        if it.tokens.shape[1] > model.config.max_seq_len:
+            raise UsageError(f"{it.task} prompt of {it.tokens.shape[1]} tokens is longer than the "
+                             f"model's maximum ({model.config.max_seq_len}); lower --length")
+    return items
+
+
+# ----------------------------------------------------------------------------- report
+
+def summarize(rows: list, names, budgets) -> list:
+    """Flat summary rows {method, budget, task, metric, value, n} (means over samples)."""
+    acc = {}
+    for r in rows:
+        task = r["task"]
+        metrics = {}
+        if task == "fidelity":
+            metrics = {m: r[m] for m in ("kl", "dnll", "top1")}
+        else:
+            if "score" in r:
+                metrics[r.get("metric", "string_match_all")] = r["score"]
+            if "kl" in r:   # answer fidelity over all RULER samples
+                for m in ("kl", "dnll"):
+                    acc.setdefault((r["method"], r["budget"], "answer", m), []).append(r[m])
+        for m, v in metrics.items():
+            acc.setdefault((r["method"], r["budget"], task, m), []).append(v)
+        acc.setdefault((r["method"], r["budget"], "memory", "kv_fraction"), []).append(r["kv_fraction"])
+    out = [{"method": k[0], "budget": k[1], "task": k[2], "metric": k[3],
+            "value": round(sum(v) / len(v), 4), "n": len(v)} for k, v in acc.items()]
+    order = {n: i for i, n in enumerate(names)}
+    return sorted(out, key=lambda d: (d["budget"], order.get(d["method"], 99), d["task"], d["metric"]))
+
+
+def table(summary: list, names, budgets, ruler_tasks) -> str:
+    """Markdown: one row per (budget, method); RULER tasks, their average, answer and text
+    fidelity, KV kept. PolyKV rows add the gap recovered vs the best uniform rule."""
+    get = {(d["method"], d["budget"], d["task"], d["metric"]): d["value"] for d in summary}
+    cols = [(t, "string_match_all", t, "{:.1f}") for t in ruler_tasks]
+    cols += [("ruler_avg", None, "RULER avg", "{:.1f}"), ("answer", "dnll", "ans ΔNLL", "{:.3f}"),
+             ("fidelity", "kl", "KL", "{:.4f}"), ("fidelity", "dnll", "ΔNLL", "{:.4f}"),
+             ("fidelity", "top1", "top-1 %", "{:.1f}"), ("memory", "kv_fraction", "KV kept %", "{:.1f}")]
+    lines = ["| budget | method | " + " | ".join(c[2] for c in cols) + " |",
+             "|---|---|" + "---|" * len(cols)]
+    for b in budgets:
+        for n in names:
+            cells = []
+            for task, metric, _, fmt in cols:
+                if task == "ruler_avg":
+                    vs = [get.get((n, b, t, "string_match_all")) for t in ruler_tasks]
+                    v = sum(vs) / len(vs) if vs and None not in vs else None
+                else:
+                    v = get.get((n, b, task, metric))
+                    v = 100 * v if v is not None and metric == "kv_fraction" else v
+                cells.append("–" if v is None else fmt.format(v))
+            lines.append(f"| {b} | {n} | " + " | ".join(cells) + " |")
+    lines += gap_lines(get, names, budgets, ruler_tasks)
+    return "\n".join(lines)
+
+
+def gap_lines(get, names, budgets, ruler_tasks) -> list:
+    """Gap recovered = (PolyKV − best uniform) / (FullKV − best uniform), per suite (SPEC §6)."""
+    out = []
+    pool = [n for n in names if n in UNIFORM and n not in ("full", "random")]
+    for b in budgets:
+        for poly in [n for n in names if n.startswith("polykv")]:
+            parts = []
+            for label, key, sign in (("fidelity KL", ("fidelity", "kl"), -1),
+                                     ("RULER avg", ("ruler", "avg"), 1)):
+                def val(n):
+                    if key[0] == "ruler":
+                        vs = [get.get((n, b, t, "string_match_all")) for t in ruler_tasks]
+                        return sum(vs) / len(vs) if vs and None not in vs else None
+                    return get.get((n, b) + key)
+                vals = {n: val(n) for n in pool if val(n) is not None}
+                full, mine = val("full"), val(poly)
+                if not vals or full is None or mine is None:
+                    continue
+                best = max(vals, key=lambda n: sign * vals[n])
+                den = full - vals[best]
+                gap = "n/a (best uniform = FullKV)" if abs(den) < 1e-12 else f"{100 * (mine - vals[best]) / den:+.1f}%"
+                parts.append(f"{label}: {gap} (best uniform {best})")
+            if parts:
+                out.append(f"\n{poly} @ {b}, gap recovered — " + "; ".join(parts))
+    return out
+
+
+# ----------------------------------------------------------------------------- main
+
+def parse(argv):
+    ap = argparse.ArgumentParser(description="KV-cache compression methods against FullKV.")
+    ints = lambda s: [int(x) for x in s.split(",") if x]
+    ap.add_argument("--budget", type=ints, default=[512], help="average entries per (layer, KV head); comma list sweeps")
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)")
+    ap.add_argument("--device", default=None)
+    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
+    ap.add_argument("--tasks", default=",".join(DEFAULT_RULER), help="RULER-style tasks (empty: none)")
+    ap.add_argument("--length", type=ints, default=None, help="RULER prompt lengths in tokens")
+    ap.add_argument("--samples", type=int, default=None, help="samples per RULER task and length")
+    ap.add_argument("--fidelity-length", type=ints, default=None)
+    ap.add_argument("--fidelity-samples", type=int, default=None)
+    ap.add_argument("--cont-len", type=int, default=64, help="teacher-forced continuation tokens")
+    ap.add_argument("--max-new-tokens", type=int, default=None,
+                    help="cap on generated tokens (default: the task's own on GPU, 24 on CPU)")
+    ap.add_argument("--data", default=None, help="folder of LongBench *.jsonl files")
+    ap.add_argument("--policy", default=None, help="PolyKV policy JSON (default: calibrate once, cached)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--cache-dir", default=str(M.default_model_dir().parent / "policies"))
+    ap.add_argument("--plot", action="store_true", help="budget-vs-score PNG (needs matplotlib)")
+    args = ap.parse_args(argv)
+    args.methods = [m for m in args.methods.split(",") if m]
+    bad = [m for m in args.methods if m not in METHODS]
+    if bad:
+        raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(METHODS)}")
+    args.tasks = [t for t in args.tasks.split(",") if t]
+    bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
+    if bad:
+        raise UsageError(f"unknown task {bad[0]!r}; choose from {', '.join(TK.RULER_TASKS)}")
+    if min(args.budget) < 1:
+        raise UsageError(f"budget must be >= 1, got {min(args.budget)}")
+    gpu = args.model is not None and torch.cuda.is_available()
+    # defaults: CPU + embedded model -> sized to run in ~10 min on 2 cores; GPU -> long prompts
+    args.length = args.length or ([4096, 8192, 16384] if gpu else [2048])
+    args.fidelity_length = args.fidelity_length or ([4096, 8192, 16384] if gpu else [2048])
+    args.samples = args.samples if args.samples is not None else (50 if gpu else 10)
+    args.fidelity_samples = args.fidelity_samples if args.fidelity_samples is not None else (20 if gpu else 6)
+    # RULER lets niah generate 128 tokens; the 7-digit answers need ~10, and on a CPU every
+    # token costs one decoding step per method
+    args.max_new_tokens = args.max_new_tokens or (10**6 if gpu else 24)
+    args.model_name = Path(args.model).name if args.model else M.default_model_dir().name
+    return args
+
+
+def main(argv=None):
+    args = parse(argv)
+    t_start = time.time()
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    m, tok = M.load(args.model, device=args.device, dtype=dtype)
+    torch.manual_seed(args.seed)
+    keyed = {k: getattr(args, k) for k in ("model_name", "tasks", "length", "samples", "fidelity_length",
+                                           "fidelity_samples", "cont_len", "max_new_tokens", "data",
+                                           "policy", "seed")}
+    keyed["dtype"] = str(m.dtype)
+    out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = {**keyed, "budgets": args.budget, "methods": args.methods, "device": str(m.device), "out": str(out)}
+    print("config: " + json.dumps(config), flush=True)
+    items = build_items(tok, args, m)
+    jsonl = out / "samples.jsonl"
+    rows = [json.loads(l) for l in jsonl.read_text().splitlines() if l.strip()] if jsonl.exists() else []
+    done = {r["key"] for r in rows}
+    methods = Methods(m, tok, args)
+    per_item = len(args.methods) * len(args.budget)
+    t0, n_run = time.time(), 0
+    with open(jsonl, "a") as f:
+        for i, item in enumerate(items):
+            keys = {result_key(n, b, item) for n in args.methods for b in args.budget}
+            if keys <= done:
+                continue
+            new = run_item(m, tok, methods, args.methods, args.budget, item, done)
+            for r in new:
+                if item.sample is not None:
+                    r["metric"] = item.sample.metric
+                f.write(json.dumps(r) + "\n")
+            f.flush()
+            rows += new
+            done |= {r["key"] for r in new}
+            n_run += 1
+            eta = (time.time() - t0) / n_run * (len(items) - i - 1)
+            print(progress(rows, item, args, i, len(items), eta), flush=True)
+    summary = summarize(rows, args.methods, args.budget)
+    config["wall_s"] = round(time.time() - t_start, 1)
+    (out / "summary.json").write_text(json.dumps({"config": config, "rows": summary}, indent=1))
+    header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
+              f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
+              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s")
+    md = header + "\n\n" + table(summary, args.methods, args.budget, args.tasks)
+    (out / "summary.md").write_text(md + "\n")
+    print("\n" + md)
+    if args.plot:
+        plot(summary, args, out)
+
+
+def progress(rows, item, args, i, n, eta) -> str:
+    """One line per item: task, and per method its running score on that task."""
+    metric = "kl" if item.task == "fidelity" else "score"
+    parts = []
+    for name in args.methods:
+        vs = [r[metric] for r in rows if r["task"] == item.task and r["method"] == name
+              and r["budget"] == args.budget[0] and metric in r]
+        if vs:
+            parts.append(f"{name} {sum(vs) / len(vs):.3g}")
+    return (f"[{i + 1}/{n}] {item.task} #{item.index} T={item.tokens.shape[1]} "
+            f"{metric}@{args.budget[0]}: " + ", ".join(parts) + f" | ETA {eta / 60:.1f} min")
+
+
+def plot(summary, args, out):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("--plot needs matplotlib (pip install matplotlib); no plot written")
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for ax, (task, metric, label) in zip(axes, [("fidelity", "kl", "fidelity KL (lower is better)"),
+                                                 ("answer", "dnll", "answer ΔNLL (lower is better)")]):
+        for n in args.methods:
+            pts = sorted((d["budget"], d["value"]) for d in summary
+                         if d["method"] == n and d["task"] == task and d["metric"] == metric)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=n)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (entries per layer and KV head)")
+        ax.set_title(label)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "budget_vs_score.png", dpi=120)
+    print(f"plot: {out / 'budget_vs_score.png'}")
+
+
+if __name__ == "__main__":
+    try:
+        main()
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        sys.exit("interrupted: finished samples are in samples.jsonl; rerun the same command to resume")
