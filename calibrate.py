@@ -1,0 +1,396 @@
+"""PolyKV offline calibration: one static per-layer, per-phase policy from a small text sample.
+
+Implements the calibration of Fei & Kalnis, "PolyKV: Heterogeneous Retention and Allocation for
+KV Cache Compression" (2026; seeds 000/001, SPEC.md §4). A policy Π gives every layer l and
+phase φ ∈ {prefill, decode} an eviction pattern r_{l,φ} and a budget b_{l,φ}, Σ_l b_{l,φ} = L·B.
+It is built once from layer-specific signals, then only executed (polykv.Policy).
+
+Notation (SPEC.md): B the average budget, T prompt tokens, n continuation tokens, H query heads,
+D head dim, L layers, s_l a layer's budget-sensitivity signal.
+
+Probe (l, r): compress *only* layer l with rule r at budget B, every other layer FullKV, reusing
+the prompt's one FullKV prefill (polykv.observe + polykv.compress), then teacher-force the
+continuation. Signals, averaged over the calibration prompts:
+  eviction preference   cos_{l,φ}(r)  = mean_i cos(o_i^probe, o_i^full), o_i = layer l's attention
+                                        output (H·D) at continuation token i   (higher = better)
+                        ΔPPL_{l,φ}(r) = PPL_probe − PPL_full of the continuation (lower = better)
+  budget sensitivity    entropy_l     = mean_{h,i} −Σ_j A[h,i,j] log A[h,i,j], continuation queries
+                                        under FullKV (diffuse attention needs more budget)
+                        ppl_{l,φ}     = max(0, max_r ΔPPL_{l,φ}(r)) (worst case over the pool)
+Construction: r_{l,φ} = the pool rule with the best preference (ties: earlier in the pool);
+b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, largest-remainder rounded.
+
+[choices] (SPEC.md §4 leaves them open):
+- Calibration set: `tasks.calibration_texts`, passages of Python's `pydoc_data.topics` at odd
+  positions of the sorted topic keys; evaluation text uses the even ones, so none is scored
+  later. Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64
+  held-out tokens; the seed picks the passages' offset. About 7 minutes at B = 512 on 2 CPU cores.
+- Pool: prefill streaming, h2o, tova, snapkv, all probed at the same budget B. Not pyramidkv:
+  at a fixed layer budget it *is* snapkv; its schedule belongs to the allocation side.
+- Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
+  chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
+  tova} at decode budget B, so d evicts once per token (n evictions). `append` is not a rule at
+  a fixed budget and is never chosen by preference; a layer is *left* `append` only when its
+  decode budget cannot bind within the calibrated horizon, b_{l,dec} ≥ b_{l,pre} + n (append is
+  then the same computation without per-token eviction). With the entropy signal both phases
+  get the same budgets, so every layer evicts during decode and never exceeds b_l.
+- b_min = ⌊B/4⌋; budgets capped at T (the calibration prompt length).
+- Fast path: a probe leaves layers < l untouched, so it starts from the continuation's FullKV
+  input to layer l (kept from one reference pass), runs layer l (token by token when its decode
+  rule evicts, as model.decode does) and layers > l in one step. The tests compare it with the
+  naive full-model probe (polykv.prefill + model.decode).
+"""
+from __future__ import annotations
+
+import math
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import model as M
+import polykv
+import tasks
+from model import Hooks, UsageError
+from polykv import LayerPolicy, Policy, RuleSettings
+
+POOL = ("streaming", "h2o", "tova", "snapkv")        # prefill patterns (SPEC.md §4)
+DECODE_POOL = ("streaming", "h2o", "tova")           # decode patterns that evict at a fixed budget
+ALL_NEEDS = {"colsum", "window", "last"}             # every pool rule's prefill statistics
+
+
+# ----------------------------------------------------------------------------- budgets
+
+def allocate(signal, total: int, b_min: int, cap: int) -> list:
+    """Integers b_l with Σ b_l = total, b_min <= b_l <= cap, non-decreasing in the signal.
+
+    Reals: b_l = b_min + (total − L·b_min)·s_l/Σs (all s = 0: uniform); a layer above cap is
+    fixed at cap and the rest re-spread over the others (water-filling); then largest-remainder
+    rounding, ties to the larger signal so that s_i > s_j ⇒ b_i >= b_j."""
+    L = len(signal)
+    if L == 0 or any(not s >= 0 for s in signal):
+        raise UsageError(f"signals must be non-negative numbers, got {list(signal)}")
+    if not (0 <= b_min <= cap and L * b_min <= total <= L * cap):
+        raise UsageError(f"cannot give {L} layers {total} entries with {b_min} <= b_l <= {cap}")
+    s = list(signal) if sum(signal) > 0 else [1.0] * L
+    capped = set()
+    while True:
+        free = [l for l in range(L) if l not in capped]
+        rest = total - cap * len(capped) - b_min * len(free)              # spread ∝ s over free
+        s_free = sum(s[l] for l in free)
+        reals = [float(cap) if l in capped else
+                 b_min + (rest * s[l] / s_free if s_free > 0 else rest / len(free)) for l in range(L)]
+        over = {l for l in free if reals[l] > cap}
+        if not over or len(over) == len(free):
+            break
+        capped |= over
+    order = sorted(range(L), key=lambda l: -s[l])                         # stable: ties by index
+    ints = polykv.largest_remainder([reals[l] for l in order], total)
+    out = [0] * L
+    for rank, l in enumerate(order):
+        out[l] = ints[rank]
+    return out
+
+
+# ----------------------------------------------------------------------------- probes
+
+def _block(model, l, x, pos, lc, hooks):
+    """Decoder block l on x (B, n, dim) at positions pos (B, n): model.step's loop body."""
+    blk = model.layers[l]
+    a, lc = blk.self_attn(blk.input_layernorm(x), pos, lc, model.inv_freq, l, hooks, model.sdpa)
+    x = x + a                                                                 # (B, n, dim)
+    return x + blk.mlp(blk.post_attention_layernorm(x)), lc
+
+
+def _nll(model, x, cont) -> float:
+    """Σ −log p(cont_{i+1} | ≤ i) from the last hidden states x (B, n, dim); cont_0 is predicted
+    by the prompt's last logits, the same for every probe, so it is left out."""
+    logits = model.lm_head(model.norm(x)).float()                             # (B, n, V)
+    return float(F.cross_entropy(logits[0, :-1], cont[0, 1:], reduction="sum"))
+
+
+@torch.no_grad()
+def reference(model, prompt, cont, settings: RuleSettings) -> dict:
+    """One FullKV prefill of prompt (1, T) with every pool statistic, then the continuation
+    cont (1, n) under FullKV, one layer at a time: each layer's input x_l (1, n, dim), its
+    attention output (1, H, n, D), its attention entropy, and the continuation's NLL."""
+    L = model.config.n_layers
+    full, stats = polykv.observe(model, prompt, [ALL_NEEDS] * L, settings)
+    T, n = prompt.shape[1], cont.shape[1]
+    pos = torch.arange(T, T + n, device=cont.device)[None]                   # (1, n)
+    rec = {}
+
+    def spy(layer, q, q_pos, lc, out):
+        A = M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)               # (1, H, n, T+n)
+        rec[layer] = (out, float(-torch.xlogy(A, A).sum(-1).mean()))         # H = −Σ_j A log A
+
+    x, xs = model.embed_tokens(cont), []                                      # (1, n, dim)
+    for l in range(L):
+        xs.append(x)
+        x, _ = _block(model, l, x, pos, full.layers[l], Hooks(post_kernel=spy))
+    return {"full": full, "stats": stats, "cont": cont, "pos": pos, "xs": xs,
+            "out": [rec[l][0] for l in range(L)], "entropy": [rec[l][1] for l in range(L)],
+            "nll": _nll(model, x, cont)}
+
+
+def probe_policy(L: int, layer: int, prefill: tuple, decode: tuple, budget: int,
+                 settings: RuleSettings = RuleSettings()) -> Policy:
+    """Only `layer` compressed (prefill (rule, b), decode (rule, b)); every other layer FullKV."""
+    keep = LayerPolicy(("full", budget), ("append", budget))
+    return Policy([LayerPolicy(prefill, decode) if l == layer else keep for l in range(L)],
+                  budget, settings)
+
+
+@torch.no_grad()
+def probe(model, ref: dict, layer: int, policy: Policy):
+    """(cos, nll): layer's output cosine to FullKV on the continuation and the NLL sum, with
+    `policy` (a probe_policy for `layer`) applied to the shared FullKV prefill of ref."""
+    cache = polykv.compress(ref["full"], ref["stats"], policy)               # full left untouched
+    seen = []
+    spy = lambda l, q, q_pos, lc, out: seen.append(out)
+    hooks, x, pos, lc = Hooks(post_kernel=spy), ref["xs"][layer], ref["pos"], cache.layers[layer]
+    if cache.hooks is not None:          # decode rule evicts: one token at a time, as model.decode
+        dh = cache.hooks
+        hooks = Hooks(post_kernel=lambda *a: (dh.post_kernel(*a), spy(*a)), cache_update=dh.cache_update)
+    steps = [slice(i, i + 1) for i in range(x.shape[1])] if cache.hooks else [slice(None)]
+    ys = []
+    for s in steps:
+        y, lc = _block(model, layer, x[:, s], pos[:, s], lc, hooks)
+        ys.append(y)
+    x = torch.cat(ys, 1)                                                      # (1, n, dim)
+    for l in range(layer + 1, model.config.n_layers):                         # FullKV above
+        x, _ = _block(model, l, x, pos, ref["full"].layers[l], None)
+    o, o_ref = torch.cat(seen, 2), ref["out"][layer]                          # (1, H, n, D)
+    cos = F.cosine_similarity(o.transpose(1, 2).flatten(2).double(),          # (1, n) over H·D
+                              o_ref.transpose(1, 2).flatten(2).double(), dim=-1)
+    return float(cos.mean()), _nll(model, x, ref["cont"])
+
+
+def measure(model, pairs, budget: int, preference: str = "cosine",
+            settings: RuleSettings = RuleSettings(), log=None) -> dict:
+    """Every signal, JSON-ready. pairs: [(prompt_ids, cont_ids)]; the decode probes use the
+    prefill rules chosen by `preference`."""
+    L, dev = model.config.n_layers, model.device
+    log = log or (lambda *_: None)
+    refs = []
+    for i, (p, c) in enumerate(pairs):
+        t0 = time.time()
+        refs.append(reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings))
+        log(f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(p)} + {len(c)} tokens ({time.time() - t0:.0f} s)")
+    count = sum(len(c) - 1 for _, c in pairs)
+    ppl = lambda nll: math.exp(nll / count)                                  # PPL = exp(mean NLL)
+    ppl_full = ppl(sum(r["nll"] for r in refs))
+    sig = {"entropy": [sum(r["entropy"][l] for r in refs) / len(refs) for l in range(L)],
+           "ppl_full": ppl_full}
+
+    def run(phase, rules, prefill_of):
+        t0 = time.time()
+        cosine, dppl = {r: [] for r in rules}, {r: [] for r in rules}
+        for l in range(L):
+            for r in rules:
+                pre, dec = (r, budget), ("append", budget)
+                if phase == "decode":
+                    pre, dec = (prefill_of[l], budget), (r, budget)
+                res = [probe(model, ref, l, probe_policy(L, l, pre, dec, budget, settings)) for ref in refs]
+                cosine[r].append(sum(c for c, _ in res) / len(res))
+                dppl[r].append(ppl(sum(nl for _, nl in res)) - ppl_full)
+        log(f"{phase} probes: {L} layers x {len(rules)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
+        return {"cosine": cosine, "dppl": dppl}
+
+    sig["prefill"] = run("prefill", POOL, None)
+    sig["decode_probe_prefill"] = best_rules(sig["prefill"], POOL, preference)
+    sig["decode"] = run("decode", DECODE_POOL, sig["decode_probe_prefill"])
+    return sig
+
+
+# ----------------------------------------------------------------------------- construction
+
+def best_rules(phase_signals: dict, pool, preference: str) -> list:
+    """Per layer, argmax cos (or argmin ΔPPL) over the pool; ties to the earlier rule."""
+    key = {"cosine": lambda r, l: -phase_signals["cosine"][r][l],
+           "ppl": lambda r, l: phase_signals["dppl"][r][l]}[preference]
+    L = len(phase_signals["cosine"][pool[0]])
+    return [min(pool, key=lambda r: key(r, l)) for l in range(L)]
+
+
+def sensitivity_of(sig: dict, phase: str, sensitivity: str) -> list:
+    if sensitivity == "entropy":
+        return sig["entropy"]
+    return [max(0.0, *(d[l] for d in sig[phase]["dppl"].values())) for l in range(len(sig["entropy"]))]
+
+
+def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str = "entropy",
+          b_min=None, cap: int = None, horizon: int = 64, settings: RuleSettings = RuleSettings(),
+          meta: dict = None) -> Policy:
+    """The static policy from the signals (see the module docstring's construction)."""
+    if preference not in ("cosine", "ppl") or sensitivity not in ("entropy", "ppl"):
+        raise UsageError(f"preference must be cosine|ppl and sensitivity entropy|ppl, "
+                         f"got {preference!r}, {sensitivity!r}")
+    L = len(sig["entropy"])
+    b_min = budget // 4 if b_min is None else b_min
+    if not 0 <= b_min <= budget:
+        raise UsageError(f"b_min must be in [0, B={budget}], got {b_min}")
+    cap = L * budget if cap is None else cap
+    rules = {"prefill": best_rules(sig["prefill"], POOL, preference),
+             "decode": best_rules(sig["decode"], DECODE_POOL, preference)}
+    b = {ph: allocate(sensitivity_of(sig, ph, sensitivity), L * budget, b_min, cap)
+         for ph in ("prefill", "decode")}
+    layers = []
+    for l in range(L):
+        dec = "append" if b["decode"][l] >= b["prefill"][l] + horizon else rules["decode"][l]
+        layers.append(LayerPolicy((rules["prefill"][l], b["prefill"][l]), (dec, b["decode"][l])))
+    meta = {**(meta or {}), "method": "polykv", "preference": preference,
+            "sensitivity": sensitivity, "b_min": b_min, "cap": cap, "decode_horizon": horizon,
+            "signals": sig}
+    return Policy(layers, budget, settings, meta)
+
+
+def check_args(budget: int, n_prompts: int, prompt_len: int, cont_len: int, b_min=None):
+    """User mistakes, caught before any model is loaded."""
+    if budget < 1:
+        raise UsageError(f"budget must be >= 1, got {budget}")
+    if n_prompts < 1 or cont_len < 2:
+        raise UsageError(f"need n_prompts >= 1 and cont_len >= 2, got {n_prompts}, {cont_len}")
+    if prompt_len <= budget:
+        raise UsageError(f"calibration prompts ({prompt_len} tokens) must be longer than the budget {budget}")
+    if b_min is not None and not 0 <= b_min <= budget:
+        raise UsageError(f"b_min must be in [0, B={budget}], got {b_min}")
+
+
+def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
+              cont_len: int = 64, preference: str = "cosine", sensitivity: str = "entropy",
+              b_min=None, settings: RuleSettings = RuleSettings(), texts=None,
+              model_name: str = "", log=None) -> Policy:
+    """Measure the signals on the calibration set once and build the policy. texts: optional
+    [(prompt_ids, cont_ids)] in place of `tasks.calibration_texts` (then tok is unused)."""
+    if texts is None:
+        check_args(budget, n_prompts, prompt_len, cont_len, b_min)
+        texts = tasks.calibration_texts(tok, n_prompts, prompt_len, cont_len, seed)
+    T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
+    check_args(budget, len(texts), T, n, b_min)
+    M.check_length(model, T + n)
+    sig = measure(model, texts, budget, preference, settings, log)
+    meta = {"model": model_name, "seed": seed, "calibration": {
+        "source": "pydoc_data.topics, odd sorted topics (tasks.calibration_texts)" if tok else "given",
+        "n_prompts": len(texts), "prompt_len": T, "cont_len": n}}
+    return build(sig, budget, preference, sensitivity, b_min, cap=T, horizon=n,
+                 settings=settings, meta=meta)
+
+
+def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_dir="runs/policies",
+               **kw) -> Policy:
+    """Calibrate once per (model name, budget, seed) and keep the JSON; later calls load it."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
+    path = Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}.json"
+    if path.exists():
+        return Policy.load(path, n_layers=model.config.n_layers)   # wrong layer count: UsageError
+    policy = calibrate(model, tok, budget, seed, model_name=model_name, **kw)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    policy.save(path)
+    return policy
+
+
+# ----------------------------------------------------------------------------- ablations
+
+def pattern_only(policy: Policy) -> Policy:
+    """The calibrated rules with the uniform budget B in both phases."""
+    B = policy.budget
+    layers = [LayerPolicy((lp.prefill[0], B), (lp.decode[0], B)) for lp in policy.layers]
+    return Policy(layers, B, policy.settings, {**policy.meta, "ablation": "pattern_only"})
+
+
+def budget_only(policy: Policy, rule: str) -> Policy:
+    """One uniform rule (its own decode form, SPEC.md §3) with the calibrated budgets."""
+    if rule not in polykv.RULES:
+        raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(polykv.RULES)}")
+    dec = polykv.DEFAULT_DECODE[rule]
+    layers = [LayerPolicy((rule, lp.prefill[1]), (dec, lp.decode[1])) for lp in policy.layers]
+    return Policy(layers, policy.budget, policy.settings, {**policy.meta, "ablation": f"budget_only:{rule}"})
+
+
+# ----------------------------------------------------------------------------- report
+
+def table(policy: Policy) -> str:
+    """One line per layer: the chosen rules and budgets, and the signals behind them."""
+    sig = policy.meta["signals"]
+    ab = {"streaming": "strm", "h2o": "h2o", "tova": "tova", "snapkv": "snap"}
+    head = (f"{'layer':>5} {'prefill':>9} {'b_pre':>5} {'decode':>9} {'b_dec':>5} {'entropy':>7} | "
+            + " ".join(f"{'cos.' + ab[r]:>9}" for r in POOL) + f" {'ΔPPLmax':>8} | "
+            + " ".join(f"{'dcos.' + ab[r]:>9}" for r in DECODE_POOL) + f" {'ΔPPLmax':>8}")
+    rows = [head]
+    for l, lp in enumerate(policy.layers):
+        worst = lambda ph: max(d[l] for d in sig[ph]["dppl"].values())
+        rows.append(f"{l:>5} {lp.prefill[0]:>9} {lp.prefill[1]:>5} {lp.decode[0]:>9} {lp.decode[1]:>5} "
+                    f"{sig['entropy'][l]:>7.3f} | "
+                    + " ".join(f"{sig['prefill']['cosine'][r][l]:>9.5f}" for r in POOL)
+                    + f" {worst('prefill'):>8.4f} | "
+                    + " ".join(f"{sig['decode']['cosine'][r][l]:>9.5f}" for r in DECODE_POOL)
+                    + f" {worst('decode'):>8.4f}")
+    return "\n".join(rows)
+
+
+def plot(policy: Policy, path) -> str:
+    """Bars: prefill budget per layer, coloured by the prefill rule. Needs matplotlib."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot written"
+    colour = dict(zip(POOL, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    for l, lp in enumerate(policy.layers):
+        ax.bar(l, lp.prefill[1], color=colour[lp.prefill[0]])
+    ax.axhline(policy.budget, color="grey", ls="--", lw=1, label=f"B = {policy.budget}")
+    for r in POOL:
+        ax.bar(0, 0, color=colour[r], label=r)
+    ax.set(xlabel="layer", ylabel="prefill budget (entries per KV head)",
+           title=f"PolyKV policy: {policy.meta.get('model', '')}, B = {policy.budget}")
+    ax.legend(ncol=5, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return f"wrote {path}"
+
+
+def main(argv=None):
+    import argparse
+    ap = argparse.ArgumentParser(description="Calibrate a PolyKV policy (SPEC.md §4).")
+    ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
+    ap.add_argument("--budget", type=int, default=512, help="average entries per (layer, KV head)")
+    ap.add_argument("--out", default="policy.json")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--n-prompts", type=int, default=2)
+    ap.add_argument("--prompt-len", type=int, default=2048)
+    ap.add_argument("--cont-len", type=int, default=64)
+    ap.add_argument("--preference", choices=("cosine", "ppl"), default="cosine")
+    ap.add_argument("--sensitivity", choices=("entropy", "ppl"), default="entropy")
+    ap.add_argument("--b-min", type=int, default=None, help="budget floor (default B // 4)")
+    ap.add_argument("--plot", default=None, help="write a per-layer PNG (needs matplotlib)")
+    a = ap.parse_args(argv)
+    name = Path(a.model).name if a.model else M.default_model_dir().name
+    b_min = a.budget // 4 if a.b_min is None else a.b_min
+    print(f"model={a.model or M.default_model_dir()} budget={a.budget} seed={a.seed} "
+          f"n_prompts={a.n_prompts} prompt_len={a.prompt_len} cont_len={a.cont_len} "
+          f"preference={a.preference} sensitivity={a.sensitivity} b_min={b_min} out={a.out}")
+    t0 = time.time()
+    try:
+        check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
+        m, tok = M.load(a.model)
+        pol = calibrate(m, tok, a.budget, a.seed, a.n_prompts, a.prompt_len, a.cont_len,
+                        a.preference, a.sensitivity, b_min, model_name=name, log=print)
+        pol.save(a.out)
+    except UsageError as e:
+        sys.exit(f"error: {e}")
+    except OSError as e:
+        sys.exit(f"error: cannot write {a.out!r}: {e.strerror}")
+    print(table(pol))
+    print(f"wrote {a.out} in {time.time() - t0:.0f} s")
+    if a.plot:
+        print(plot(pol, a.plot))
+
+
+if __name__ == "__main__":
+    main()
