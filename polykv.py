@@ -292,10 +292,11 @@ def compress(full: Cache, stats: list, policy: Policy) -> Cache:
         B, G, T, _ = lc.k.shape
         if rule == "full" or b >= T:
             idx = torch.arange(T, device=lc.k.device).expand(B, G, T)
+            layers.append(lc)       # nothing evicted: share the tensors (never written in place)
         else:
             sc, prot = score(rule, stats[l], T, G, policy.settings, l)
             idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)         # (B, G, b)
-        layers.append(lc.gather(idx))
+            layers.append(lc.gather(idx))
         kept_idx.append(idx)
     cache = Cache(layers, full.next_pos, full.last_logits)
     cache.hooks = decode_hooks(policy, stats, kept_idx)
