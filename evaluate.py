@@ -114,28 +114,28 @@ class Methods:
     def compress(self, method, budget, tokens, full, stats):
         if method == "gracekv":
             import gracekv
-            return gracekv.compress(self.model, tokens, full, stats["gracekv"], budget)
+            return gracekv.compress(self.model, full, stats["gracekv"], budget)
         return P.compress(full, stats["polykv"], self.policy(method, budget, tokens.shape[1]))
 
 
 def observe(model, tokens, methods):
-    """The one shared prefill: FullKV cache + every statistic the methods need."""
-    L = model.config.n_layers
+    """The one shared prefill: FullKV cache + every statistic the methods need.
+
+    Its post-kernel hook fans out to the rules' statistics (polykv) and to GraceKV's observer."""
+    L, s = model.config.n_layers, P.RuleSettings()
     needs = [{"colsum", "window", "last"}] * L
-    hooks, gk = None, None
+    stats = [dict() for _ in range(L)]
+    gk_hook = gk_stats = None
     if "gracekv" in methods:
         import gracekv
-        gk = gracekv.Observer(model, tokens)
-    stats = [dict() for _ in range(L)]
-    s = P.RuleSettings()
+        gk_hook, gk_stats = gracekv.observer(model, gracekv.Settings())
 
     def post_kernel(layer, q, q_pos, lc, out):
         stats[layer] = P.attention_stats(q, q_pos, lc, needs[layer], s)
-        if gk is not None:
-            gk.post_kernel(layer, q, q_pos, lc, out)
-    hooks = M.Hooks(pre_kernel=gk.pre_kernel if gk else None, post_kernel=post_kernel)
-    cache = M.prefill(model, tokens, hooks)
-    return cache, {"polykv": stats, "gracekv": gk.finish(cache) if gk else None}
+        if gk_hook is not None:
+            gk_hook(layer, q, q_pos, lc, out)
+    cache = M.prefill(model, tokens, M.Hooks(post_kernel=post_kernel))
+    return cache, {"polykv": stats, "gracekv": gk_stats}
 
 
 def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
