@@ -24,7 +24,10 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 - Calibration set: `tasks.calibration_texts`, passages of Python's `pydoc_data.topics` at odd
   positions of the sorted topic keys; evaluation text uses the even ones, so none is scored
   later. Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64
-  held-out tokens; the seed picks the passages' offset. About 7 minutes at B = 512 on 2 CPU cores.
+  held-out tokens; the seed picks the passages' offset. Cost: 2 prefills + L·(4 + 3)·2 = 420
+  single-layer probes + 8 uniform baselines: about 7 minutes at B = 512 or 128 on 2 CPU cores.
+- CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
+  intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: prefill streaming, h2o, tova, snapkv, all probed at the same budget B. Not pyramidkv:
   at a fixed layer budget it *is* snapkv; its schedule belongs to the allocation side.
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
@@ -203,6 +206,17 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     sig["prefill"] = run("prefill", POOL, None)
     sig["decode_probe_prefill"] = best_rules(sig["prefill"], POOL, preference)
     sig["decode"] = run("decode", DECODE_POOL, sig["decode_probe_prefill"])
+    # the uniform baselines on the same text (every layer compressed, model.decode), so that
+    # the harness's budget-only ablation can take the best single rule without seeing eval data
+    t0 = time.time()
+    sig["uniform_dppl"] = {}
+    for r in POOL:
+        uni, nll = Policy.uniform(r, budget, L, settings=settings), 0.0
+        for ref in refs:
+            logits = M.decode(model, ref["cont"], polykv.compress(ref["full"], ref["stats"], uni))
+            nll += float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
+        sig["uniform_dppl"][r] = ppl(nll) - ppl_full
+    log(f"uniform baselines: {len(POOL)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
     return sig
 
 
@@ -245,6 +259,8 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
     meta = {**(meta or {}), "method": "polykv", "preference": preference,
             "sensitivity": sensitivity, "b_min": b_min, "cap": cap, "decode_horizon": horizon,
             "signals": sig}
+    if "uniform_dppl" in sig:     # the best single rule at this budget, for budget_only
+        meta["best_uniform"] = min(POOL, key=lambda r: sig["uniform_dppl"][r])
     return Policy(layers, budget, settings, meta)
 
 
@@ -286,7 +302,13 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
     path = Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}.json"
     if path.exists():
-        return Policy.load(path, n_layers=model.config.n_layers)   # wrong layer count: UsageError
+        policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
+        have = {**policy.meta.get("calibration", {}), **policy.meta}
+        diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in kw.items()
+                if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len") and have.get(k) != v]
+        if diff:
+            raise UsageError(f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it to recalibrate")
+        return policy
     policy = calibrate(model, tok, budget, seed, model_name=model_name, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(path)
@@ -369,12 +391,16 @@ def main(argv=None):
     ap.add_argument("--sensitivity", choices=("entropy", "ppl"), default="entropy")
     ap.add_argument("--b-min", type=int, default=None, help="budget floor (default B // 4)")
     ap.add_argument("--plot", default=None, help="write a per-layer PNG (needs matplotlib)")
+    ap.add_argument("--threads", type=int, default=1,   # probes are 64-row matmuls: see docstring
+                    help="torch intra-op CPU threads (default 1)")
     a = ap.parse_args(argv)
+    torch.set_num_threads(max(1, a.threads))
     name = Path(a.model).name if a.model else M.default_model_dir().name
     b_min = a.budget // 4 if a.b_min is None else a.b_min
     print(f"model={a.model or M.default_model_dir()} budget={a.budget} seed={a.seed} "
           f"n_prompts={a.n_prompts} prompt_len={a.prompt_len} cont_len={a.cont_len} "
-          f"preference={a.preference} sensitivity={a.sensitivity} b_min={b_min} out={a.out}")
+          f"preference={a.preference} sensitivity={a.sensitivity} b_min={b_min} out={a.out} "
+          f"threads={torch.get_num_threads()}")
     t0 = time.time()
     try:
         check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
@@ -387,6 +413,9 @@ def main(argv=None):
     except OSError as e:
         sys.exit(f"error: cannot write {a.out!r}: {e.strerror}")
     print(table(pol))
+    u = pol.meta["signals"]["uniform_dppl"]
+    print("uniform baselines, ΔPPL on the calibration text: "
+          + ", ".join(f"{r} {u[r]:+.4f}" for r in POOL) + f"; best uniform: {pol.meta['best_uniform']}")
     print(f"wrote {a.out} in {time.time() - t0:.0f} s")
     if a.plot:
         print(plot(pol, a.plot))

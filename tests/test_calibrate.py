@@ -156,6 +156,14 @@ def test_signals_equal_naive_probes(seed):
         assert sig["entropy"][l] == pytest.approx(sum(r[1][l] for r in refs) / len(refs), rel=1e-9)
     chosen = C.best_rules(sig["prefill"], C.POOL, "cosine")
     assert chosen == [max(C.POOL, key=lambda r: (sig["prefill"]["cosine"][r][l], -C.POOL.index(r))) for l in range(L)]
+    for r in C.POOL:                          # uniform baselines: a fresh prefill + model.decode
+        nll = 0.0
+        for p, c in pairs:
+            logits = M.decode(m, c, P.prefill(m, p, P.Policy.uniform(r, B, L, settings=SET)))
+            nll += float(F.cross_entropy(logits[0, :-1], c[0, 1:], reduction="sum"))
+        assert sig["uniform_dppl"][r] == pytest.approx(ppl(nll) - ppl_full, abs=tol)
+    best = C.build(sig, B, settings=SET, cap=T).meta["best_uniform"]
+    assert sig["uniform_dppl"][best] == min(sig["uniform_dppl"].values())
     for phase, pool in (("prefill", C.POOL), ("decode", C.DECODE_POOL)):
         for l in range(L):
             for r in pool:
@@ -283,6 +291,8 @@ def test_policy_for_caches_and_checks_layers(tmp_path):
     again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path)
     assert again.layers == first.layers and again.meta["mark"] == 1
     assert again.meta["signals"] == first.meta["signals"]
+    with pytest.raises(UsageError, match=r"calibrated with sensitivity='entropy' \(asked 'ppl'\)"):
+        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, sensitivity="ppl")
     with pytest.raises(UsageError, match="has 3 layers, the model has 4") as e:
         C.policy_for(tiny(4, L=4), None, "tiny/x", B, seed=7, cache_dir=tmp_path)
     assert "\n" not in str(e.value)
