@@ -365,7 +365,7 @@ def plot(policy: Policy, path) -> str:
     colour = dict(zip(POOL, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
     fig, ax = plt.subplots(figsize=(10, 3.5))
     for l, lp in enumerate(policy.layers):
-        ax.bar(l, lp.prefill[1], color=colour[lp.prefill[0]])
+        ax.bar(l, lp.prefill[1], color=colour.get(lp.prefill[0], "grey"))
     ax.axhline(policy.budget, color="grey", ls="--", lw=1, label=f"B = {policy.budget}")
     for r in POOL:
         ax.bar(0, 0, color=colour[r], label=r)
@@ -404,12 +404,16 @@ def main(argv=None):
     t0 = time.time()
     try:
         check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
+        for f in filter(None, (a.out, a.plot)):      # before minutes of probes, not after
+            if not Path(f).resolve().parent.is_dir():
+                raise UsageError(f"cannot write {f!r}: no such folder")
         m, tok = M.load(a.model)
         pol = calibrate(m, tok, a.budget, a.seed, a.n_prompts, a.prompt_len, a.cont_len,
                         a.preference, a.sensitivity, b_min, model_name=name, log=print)
-        pol.save(a.out)
     except UsageError as e:
         sys.exit(f"error: {e}")
+    try:
+        pol.save(a.out)
     except OSError as e:
         sys.exit(f"error: cannot write {a.out!r}: {e.strerror}")
     print(table(pol))
@@ -418,7 +422,10 @@ def main(argv=None):
           + ", ".join(f"{r} {u[r]:+.4f}" for r in POOL) + f"; best uniform: {pol.meta['best_uniform']}")
     print(f"wrote {a.out} in {time.time() - t0:.0f} s")
     if a.plot:
-        print(plot(pol, a.plot))
+        try:
+            print(plot(pol, a.plot))
+        except OSError as e:
+            sys.exit(f"error: cannot write {a.plot!r}: {e.strerror}")
 
 
 if __name__ == "__main__":
