@@ -89,6 +89,8 @@ class Methods:
                 pol = P.Policy.load(self.args.policy, n_layers=self.L)
             else:
                 import calibrate
+                print(f"polykv: policy for budget {budget} from {self.args.cache_dir} "
+                      "(calibrated once on first use, ~5 min on 2 CPU cores)", flush=True)
                 pol = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
                                            self.args.seed, Path(self.args.cache_dir))
             self.policies["cal"] = pol
@@ -303,6 +305,8 @@ def parse(argv):
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache-dir", default=str(M.default_model_dir().parent / "policies"))
     ap.add_argument("--plot", action="store_true", help="budget-vs-score PNG (needs matplotlib)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)")
     args = ap.parse_args(argv)
     args.methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in args.methods if m not in METHODS]
@@ -330,6 +334,8 @@ def parse(argv):
 def main(argv=None):
     args = parse(argv)
     t_start = time.time()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     m, tok = M.load(args.model, device=args.device, dtype=dtype)
     torch.manual_seed(args.seed)
