@@ -84,17 +84,18 @@ class Methods:
         self.policies = {}
 
     def calibrated(self, budget):
-        if "cal" not in self.policies:
+        """--policy FILE (rescaled to each budget), else one calibration per budget, cached."""
+        key = "file" if self.args.policy else budget
+        if key not in self.policies:
             if self.args.policy:
-                pol = P.Policy.load(self.args.policy, n_layers=self.L)
+                self.policies[key] = P.Policy.load(self.args.policy, n_layers=self.L)
             else:
                 import calibrate
                 print(f"polykv: policy for budget {budget} from {self.args.cache_dir} "
                       "(calibrated once on first use, ~5 min on 2 CPU cores)", flush=True)
-                pol = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
-                                           self.args.seed, Path(self.args.cache_dir))
-            self.policies["cal"] = pol
-        pol = self.policies["cal"]
+                self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
+                                                          self.args.seed, Path(self.args.cache_dir))
+        pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
     def best_uniform(self, budget):
@@ -322,8 +323,8 @@ def parse(argv):
     # defaults: CPU + embedded model -> sized to run in ~10 min on 2 cores; GPU -> long prompts
     args.length = args.length or ([4096, 8192, 16384] if gpu else [2048])
     args.fidelity_length = args.fidelity_length or ([4096, 8192, 16384] if gpu else [2048])
-    args.samples = args.samples if args.samples is not None else (50 if gpu else 10)
-    args.fidelity_samples = args.fidelity_samples if args.fidelity_samples is not None else (20 if gpu else 6)
+    args.samples = args.samples if args.samples is not None else (50 if gpu else 6)
+    args.fidelity_samples = args.fidelity_samples if args.fidelity_samples is not None else (20 if gpu else 4)
     # RULER lets niah generate 128 tokens; the 7-digit answers need ~10, and on a CPU every
     # token costs one decoding step per method
     args.max_new_tokens = args.max_new_tokens or (10**6 if gpu else 24)
