@@ -116,6 +116,8 @@ def observer(model, s: Settings):
         # Rows in descending chunks: x^k_i = Σ_{j ≥ i} x^{k−1}_j Ā[j, i] is complete for the
         # chunk's rows once the chunk is added, so all hops take one pass over A (causal).
         for c1 in range(T, 0, -s.chunk):
+            if s.hops == 0 and c1 <= T - r:
+                break                                            # x^0 needs the probe rows only
             c0 = max(0, c1 - s.chunk)
             lg = (qq[:, :, c0:c1].to(acc) @ kk[:, None, :c1].to(acc).transpose(-1, -2)) / math.sqrt(D)
             tri = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=q.device).triu_(1)
@@ -229,22 +231,21 @@ def context(model, full: Cache, stats: Stats, r: int, s: Settings) -> Context:
     kappa = bends(h.transpose(0, 1).reshape(T, -1), s.bend_width)[:Tc]
     kr = torch.cat(kr)                                                # (U, Tc+1, D)
     return Context(T, r, kr, torch.cat(vs), kr.norm(dim=-1), torch.cat(lgs), torch.cat(qs),
-                   torch.cat(cs), F.pad(R, (0, 1)).expand(len(s_hat), -1), s_hat, torch.cat(omega), kappa, segment(kappa, Tc, s),
+                   torch.cat(cs), F.pad(R, (0, 1)).expand(len(s_hat), -1).contiguous(), s_hat, torch.cat(omega), kappa, segment(kappa, Tc, s),
                    torch.zeros(len(kr) * G, Tc, dtype=torch.bool, device=pos.device),
                    model.inv_freq, s)
 
 
 # ----------------------------------------------------------------------------- prototypes, distortion
 
-def distortion(logZ, mu, logZp, vp, s: Settings):
-    """D and D(drop) of nodes (N,) from exact log Z, μ = M/Z (N, P[, D]) and prototype log Z̃, ṽ.
+def distortion(logZ, mu2, muv, logZp, v2, s: Settings):
+    """D and D(drop) of nodes (N,) from the exact log Z_u, ‖μ_u‖², ⟨μ_u, ṽ⟩ (N, P), μ = M/Z,
+    and the prototype's log Z̃_u (N, P) and ‖ṽ‖² (N,).
 
     D_u = λ_Z (Z − Z̃)²/Z² + λ_M ‖M − M̃‖²/(‖M‖² + ε) with M̃ = Z̃ṽ, written with ρ = Z̃/Z:
     λ_Z (1 − ρ)² + λ_M ‖μ − ρṽ‖²/(‖μ‖² + ε), log ρ ≤ log_rho_max; probes weighted by mass Z_u."""
-    rho = (logZp - logZ).clamp(max=s.log_rho_max).exp()                     # (N, P)
-    mu2 = torch.einsum("npd,npd->np", mu, mu)                                 # ‖μ‖²
-    muv = (mu @ vp[..., None])[..., 0]                                        # ⟨μ, ṽ⟩
-    err = (mu2 - 2 * rho * muv + rho ** 2 * vp.pow(2).sum(-1)[:, None]).clamp(min=0)  # ‖μ − ρṽ‖²
+    rho = (logZp - logZ).clamp(max=s.log_rho_max).exp()                     # (N, P) Z̃/Z
+    err = (mu2 - 2 * rho * muv + rho ** 2 * v2[:, None]).clamp(min=0)        # ‖μ − ρṽ‖²
     Du = s.lambda_z * (1 - rho) ** 2 + s.lambda_m * err / (mu2 + s.eps)
     Dd = s.lambda_z + s.lambda_m * mu2 / (mu2 + s.eps)                         # ρ = 0: nothing kept
     w = torch.softmax(logZ, -1)                                               # (N, P) mass weights
@@ -279,23 +280,31 @@ def _node_stats(cx: Context, u, a, b, n):
     first = mask.to(torch.int8).argmax(1)
     last = n - 1 - mask.flip(1).to(torch.int8).argmax(1)
     nf = cnt.clamp(min=1).to(cx.kr.dtype)
-    K, V = cx.kr[u[:, None], ix], cx.v[u[:, None], ix]                        # (N, n, D), 0 outside
+    flat = (u[:, None] * (Tc + 1) + ix).view(-1)                              # rows of (U·(Tc+1), ·)
+    rows = lambda x: x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
+    K, V = rows(cx.kr), rows(cx.v)                                            # (N, n, D), 0 outside
     kbar = K.sum(1) / nf[:, None]                                             # mean k°  (N, D)
     p = ((idx * mask).sum(1) / nf).round()                                    # rounded mean position
     key = M.apply_rope(kbar, p, cx.inv_freq)                                  # k̃ = RoPE(mean k°, p̃)
-    hbar = kbar.norm(dim=-1) / (cx.knorm[u[:, None], ix].sum(1) / nf + s.eps)  # ħ = ‖mean k°‖/mean‖k°‖
+    hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)  # ħ = ‖mean k°‖/mean‖k°‖
     logm = (nf * hbar ** 2).clamp(min=1).minimum(nf).log()                   # m = clamp(n ħ², 1, n)
-    Rt = cx.R[u[:, None], ix]                                                 # (N, n), 0 outside
-    w = Rt + s.beta * cx.R[u, :Tc].mean(-1, keepdim=True) * mask              # R_t + β
+    Rt = rows(cx.R)                                                           # (N, n), 0 outside
+    w = Rt + s.beta / Tc * mask.to(Rt.dtype)                                  # R_t + β, β = 0.1·mean R = 0.1/Tc
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
-    lg = cx.lg[u[:, None], ix]                                                # (N, n, P), −inf outside
+    lg = rows(cx.lg)                                                          # (N, n, P), −inf outside
     mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)                      # (N, P) log-space shift
     e = (lg - mx[:, None]).exp_()
     Z = e.sum(1)                                                              # (N, P)
     logZ = Z.log() + mx
-    mu = (e.transpose(1, 2) @ V) / Z[..., None]                               # (N, P, D) μ = M/Z
-    logZp = logm[:, None] + (cx.q[u] @ key[..., None])[..., 0] / math.sqrt(key.shape[-1]) - cx.c[u]
-    D, Dd = distortion(logZ, mu, logZp, val, s)
+    # ‖μ‖² = eᵀ(VVᵀ)e / Z² and ⟨μ, ṽ⟩ = eᵀ(Vṽ) / Z: no (N, P, D) tensor, n²·(D+P) per node
+    mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1) / Z ** 2                    # (N, P)
+    muv = (e * (V @ val[..., None])).sum(1) / Z                               # (N, P)
+    by_unit = u.argsort()                                                     # q_u·k̃ unit by unit
+    counts = torch.bincount(u, minlength=cx.q.shape[0]).tolist()
+    qk = torch.cat([k @ cx.q[j].T for j, k in enumerate(key[by_unit].split(counts)) if len(k)])
+    qk = qk[by_unit.argsort()] / math.sqrt(key.shape[-1])                     # (N, P) q_u·k̃/√D
+    logZp = logm[:, None] + qk - cx.c.index_select(0, u)                      # log Z̃ = log m + q·k̃/√D − c_u
+    D, Dd = distortion(logZ, mu2, muv, logZp, val.pow(2).sum(-1), s)
     zero = torch.zeros((), dtype=D.dtype, device=D.device)
     return dict(unit=u, a=a + first, b=a + last + 1, n=cnt, R=Rt.sum(1),
                 D=torch.where(cnt <= 1, zero, D),                            # a leaf is its token

@@ -175,12 +175,13 @@ def test_prototype_and_distortion_equal_naive(T, seed):
 
 def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     mu = torch.randn(3, 1, 8, dtype=torch.float64)
+    mu2 = mu.pow(2).sum(-1)                                                   # prototype = exact: ṽ = μ
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
-    D, Dd = GK.distortion(logZ, mu, logZ.clone(), mu[:, 0].clone(), GK.Settings())
+    D, Dd = GK.distortion(logZ, mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
     assert torch.all(D.abs() < 1e-12) and torch.all(Dd > 1.9)
     for big in (1e4, -1e4, 1e30):             # log Z̃ − log Z far beyond exp's range
         lz = torch.tensor([[0.0, -1e4], [big, 5.0]])
-        D, Dd = GK.distortion(lz, torch.randn(2, 2, 4), lz + big, torch.randn(2, 4), GK.Settings())
+        D, Dd = GK.distortion(lz, torch.rand(2, 2), torch.randn(2, 2), lz + big, torch.rand(2), GK.Settings())
         assert torch.isfinite(D).all() and torch.isfinite(Dd).all()
 
 
