@@ -1,52 +1,58 @@
-"""GraceKV: one global budget of cache entries spent on coverage or on resolution.
+"""GraceKV: one global budget of cache entries, spent on coverage or on resolution.
 
 Tian, Liu, Wang, "Every Cache Entry Earns Its Place: Global Allocation of Resolution and
 Coverage for KV Cache Compression" (2026; seed 004, SPEC.md §5). No code is public; the formulas
-come from one secondary write-up, and every guess is marked [choice] here and listed below.
+come from one secondary write-up, and every guess is marked [choice] and listed below.
 
-Pipeline, after one full-attention prefill of the prompt (T tokens):
+After one full-attention prefill of the prompt (T tokens):
  1. Slots: the context (all but the recent window) is cut at bends of the hidden-state
     trajectory into slots of `slot_min`..`slot_max` tokens.
- 2. Prototype trees per unit = (layer, KV head) over each slot: a node (a span of tokens) is one
-    entry: key = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value = Σ(R_t+β)v_t / Σ(R_t+β),
-    multiplicity m = clamp(n·ħ², 1, n) entering attention as the logit bias log m; leaves are
-    the exact tokens. A node splits by bisection or by extracting its most salient token.
- 3. Distortion D(v) of a node for the probe queries (the window's queries), in log space.
- 4. Value flow: token relevance R_t (what the probes attend to, spread over a few decayed hops)
-    and a head weight ω per unit.
- 5. Budget flow: after the exact window and the singleton floor (the highest-ω·R exact
-    tokens), one max-heap over "add a slot root" and "split an added node" actions of every
-    unit, ranked by gain per entry, until B_alloc entries are spent.
+ 2. A prototype tree per unit = (layer, KV head) over each slot. A node (a span of n tokens) is
+    one cache entry: key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value
+    ṽ = Σ(R_t+β)v_t / Σ(R_t+β), multiplicity m = clamp(n·ħ², 1, n) entering attention as the
+    logit bias log m. Leaves are the exact tokens. A node splits by bisection or by extracting
+    its most salient token.
+ 3. Distortion D(v) of a node for the probe queries, in log space; D(drop) = keeping nothing.
+ 4. Value flow: token relevance R_t (what the probes attend to, spread along attention for a
+    few decayed hops) and a head weight ω per unit.
+ 5. Budget flow: after the exact window and the singleton floor (the highest-ω·R exact tokens),
+    one max-heap over "add a slot root" and "split an added node" actions of all units, ranked
+    by gain per entry, until B_alloc entries are spent.
 
-Notation (SPEC.md): T prompt tokens, Tc = T − r context tokens, S cached entries, H query
-heads, G KV heads, g = H/G, D head dim, L layers, U = L·G units, r recent window, P = g·r probes
-per unit, n tokens in a node. Budget contract: `budget` B = average entries per unit; the cache
-holds at most U·B real entries; a prompt with T ≤ B is returned uncompressed (FullKV).
-Batch size 1 (one prompt at a time).
+Notation (SPEC.md): T prompt tokens, r recent window, Tc = T − r context tokens, H query heads,
+G KV heads, g = H/G, D head dim, L layers, U = L·G units, P = g·r probes per unit, n tokens in a
+node. Budget: B = average entries per unit; the cache holds at most U·B real entries, and a
+prompt with T ≤ B is returned uncompressed (FullKV). One prompt at a time (batch 1).
 
-[choices] (write-up silent or ambiguous):
+[choices] (the write-up is silent or ambiguous):
 - The question is not marked in the token ids: the last r = `window` tokens are the suffix;
-  they are kept exact and their queries are the probes U. If B ≤ r only the last B tokens stay.
+  they are kept exact and their queries (all g heads of the group) are the probes U. If B ≤ r,
+  only the last B tokens stay.
 - Hidden state for slots: the cache's layer-L/2 un-rotated keys and values, per head
   L2-normalised and concatenated (a linear image [W_K; W_V]·RMSNorm(h) of the hidden state that
   the cache already holds: no extra hook). Surprisal is not used: it needs the LM head over all
-  T positions, about as costly as the prefill on this model. Cut: the highest κ in each window
-  [a+slot_min, a+slot_max] (the write-up allows it); a slot starts at its bend token.
-- Bisection boundary: the highest κ in the node's central half (the slot's own bends; depth
-  ≤ log_{4/3} n). Extraction: the token with the most first-hop probe mass of that unit; its
-  children are [a,t), {t}, (t,b) (contiguous, cost = #children − 1, hence "per cost").
-- Split gain Δ = ω·(R(v)D(v) − Σ_c R(c)D(c)), i.e. children's D weighted by their share of R:
-  the greedy then lowers one objective Σ ω·R·D, and a useful split is never scored negative
-  because relative distortions of children add up to more than the parent's.
-- D(v) = Σ_u w_u D_u with w_u ∝ the attention mass probe u puts on v; log Z normalised by each
-  probe's full causal row, so Z is that mass; log(Z̃/Z) capped at `log_rho_max` (finite D).
-- β = 0.1·mean of R over the context; R and ŝ, d̂ normalised over context tokens, averaged over
-  units; propagation per layer along the group-mean attention, d = Σ_k decay^(k−1)·x^k.
-- Floor size ⌊floor_frac·U·(B−r)⌋, chosen over (unit, token) pairs by ω_j·R_t; floor tokens
-  are holes in their unit's trees. Nodes are tightened to their first/last non-hole token.
-- The greedy spends the whole B_alloc, negative gains included (an exact leaf is never worse
-  than its prototype; budget ≥ T ends in all leaves = FullKV); an action costing more than what
-  is left is dropped. Ties: earlier pushed first; rounding of mean positions: half to even.
+  T positions, about the cost of the prefill on this model. Cut: the highest κ in each window
+  [a+slot_min, a+slot_max] (allowed by the write-up); a slot starts at its bend token.
+- Bisection at the highest κ of the node's central half (depth ≤ log_{4/3} n). Extraction of
+  the token with the most first-hop probe mass ŝ of that unit: children [a,t), {t}, (t,b),
+  contiguous, cost = #children − 1 (hence "gain per cost"). Ties: bisection.
+- Split gain ω·(R(v)D(v) − Σ_c R(c)D(c)): children's D weighted by their share of R, so the
+  greedy lowers one objective Σ ω·R·D (the literal ω·R(v)·(D(v) − Σ_c D(c)) scores a useful
+  split negative whenever the children's relative distortions add up to more than the parent's).
+- D_u uses log Z normalised by each probe's full causal row (Z = the mass it gives the node);
+  the Z term has no ε (Z > 0 in log space), the M term reads λ_M‖μ − ρṽ‖²/(‖μ‖² + ε) (μ = M/Z,
+  ρ = Z̃/Z: scale-free); log ρ ≤ `log_rho_max`; D = Σ_u w_u D_u, w_u ∝ Z_u.
+- ŝ_j and d̂_j normalised over the context per unit, then averaged over units; propagation in
+  each layer along its group-mean attention, d = Σ_{k=1..hops} decay^(k−1)·x^k, x^k = x^(k−1)·Ā;
+  β = 0.1·mean R = 0.1/Tc.
+- Floor size ⌊floor_frac·U·(B−r)⌋, chosen over (unit, token) pairs by ω_j·R_t (ties: later
+  token); floor tokens are holes in their unit's trees, nodes are tightened around them.
+- The greedy spends the whole B_alloc, negative gains included (an exact leaf is never worse than
+  its prototype, and a budget ≥ T ends in all leaves = FullKV); an action costing more than what
+  is left is dropped. Heap ties: earlier pushed first. Mean positions round half to even.
+
+Cost: the observation recomputes each layer's attention once, in query chunks, for the hops
+(skipped when hops = 0); nodes are evaluated lazily, batched over all units (see `allocate`).
 """
 from __future__ import annotations
 
@@ -76,7 +82,7 @@ class Settings:
     decay: float = 0.5
     beta: float = 0.1         # β = 0.1·mean R_t in the value weights (write-up)
     floor_frac: float = 0.1   # singleton floor: share of the non-window budget [choice: 10%]
-    eps: float = 1e-6         # ε in ħ and in ‖M‖² + ε
+    eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     chunk: int = 512          # query rows per attention chunk while observing (memory only)
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
@@ -141,7 +147,8 @@ def observe(model, tokens, settings: Optional[Settings] = None):
 # ----------------------------------------------------------------------------- slots
 
 def bends(h: torch.Tensor, w: int) -> torch.Tensor:
-    """κ_i = 1 − cos(h̄_i − mean h̄_{i−w..i−1}, mean h̄_{i+1..i+w} − h̄_i) for h (T, F); κ_0 = κ_{T−1} = 0."""
+    """Bends of a trajectory h (T, F): κ_i = 1 − cos(h̄_i − mean h̄_{i−w..i−1},
+    mean h̄_{i+1..i+w} − h̄_i) with h̄ = h/‖h‖, windows clipped at the ends; κ_0 = κ_{T−1} = 0."""
     T = h.shape[0]
     h = F.normalize(h, dim=-1)
     C = F.pad(h.cumsum(0), (0, 0, 1, 0))                          # (T+1, F) prefix sums
@@ -179,7 +186,7 @@ class Context:
                           # logsumexp (so exp = attention mass); row Tc = −inf
     q: torch.Tensor       # (U, P, D) probe queries
     c: torch.Tensor       # (U, P) probe rows' logsumexp
-    R: torch.Tensor       # (U, Tc+1) relevance R_t (the same row for every unit), Σ_t R = 1; R[:, Tc] = 0
+    R: torch.Tensor       # (U, Tc+1) relevance R_t, one row copied to every unit; Σ_t R = 1
     sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j (extraction salience)
     omega: torch.Tensor   # (U,) head weight ω
     kappa: torch.Tensor   # (Tc,) bends
@@ -200,39 +207,41 @@ def context(model, full: Cache, stats: Stats, r: int, s: Settings) -> Context:
     g, Tc, rp = H // G, T - r, stats.probes[0].shape[1]
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     pos = torch.arange(T, device=full.layers[0].k.device)
+    pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)     # the sentinel row Tc
     kr, vs, lgs, qs, cs, omega = [], [], [], [], [], []
     for l, lc in enumerate(full.layers):
         k, v = lc.k[0].to(acc), lc.v[0].to(acc)                      # (G, T, D)
-        q = stats.probes[l].to(acc).reshape(G, g * rp, D)                # (G, P, D) probes of group g
-        lg = (q @ k.transpose(1, 2)) / math.sqrt(D)                    # (G, P, T)
-        lg = lg.masked_fill(pos > (pos[T - rp:]).repeat(g)[:, None], float("-inf"))  # causal rows
-        c = lg.logsumexp(-1)                                           # (G, P)
-        out = torch.softmax(lg, -1) @ v                                # (G, P, D) head outputs
-        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)  # (dim, G, g, D)
+        q = stats.probes[l].to(acc).reshape(G, g * rp, D)            # (G, P, D) probes (h, u) of group g
+        lg = (q @ k.transpose(1, 2)) / math.sqrt(D)                  # (G, P, T)
+        lg = lg.masked_fill(pos > pos[T - rp:].repeat(g)[:, None], float("-inf"))  # causal rows
+        c = lg.logsumexp(-1)                                         # (G, P)
+        out = torch.softmax(lg, -1) @ v                              # (G, P, D) head outputs
         # ω = √(a·b): a = ‖W_O slice‖_F, b = mean_u ‖Σ_{h∈group} W_O,h out_{h,u}‖
-        a = Wo.pow(2).sum((0, 2, 3)).sqrt()                            # (G,)
+        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)  # (dim, G, g, D)
+        a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
         b = torch.einsum("mghd,ghud->gum", Wo, out.view(G, g, rp, D)).norm(dim=-1).mean(1)
         omega.append((a * b).sqrt())
-        kr.append(F.pad(M.apply_rope(k[:, :Tc], -pos[:Tc], model.inv_freq), (0, 0, 0, 1)))  # (G, Tc+1, D)
-        vs.append(F.pad(v[:, :Tc], (0, 0, 0, 1)))
-        lgs.append(F.pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), (0, 0, 0, 1), value=-math.inf))
+        kr.append(pad(M.apply_rope(k[:, :Tc], -pos[:Tc], model.inv_freq)))   # (G, Tc+1, D) k°
+        vs.append(pad(v[:, :Tc]))
+        lgs.append(pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf))  # (G, Tc+1, P)
         qs.append(q)
         cs.append(c)
-    # value flow: ŝ_j, d̂_j normalised over the context, averaged over units (SPEC.md §5)
-    x = torch.stack(stats.flow).to(acc)[..., :Tc]                     # (L, hops+1, G, Tc)
+    # value flow: ŝ_j, d̂_j normalised over the context; R = (1−λ)·mean_j ŝ_j + λ·mean_j d̂_j
+    x = torch.stack(stats.flow).to(acc)[..., :Tc]                   # (L, hops+1, G, Tc)
     unit = lambda y: y.reshape(-1, Tc) / y.reshape(-1, Tc).sum(-1, keepdim=True).clamp(min=1e-300)
-    s_hat = unit(x[:, 0])                                             # (U, Tc) ŝ_j
+    s_hat = unit(x[:, 0])                                           # (U, Tc)
     d_hat = unit(sum(s.decay ** (k - 1) * x[:, k] for k in range(1, s.hops + 1)) if s.hops else x[:, 0])
     R = (1 - s.lambda_graph) * s_hat.mean(0) + s.lambda_graph * d_hat.mean(0)   # (Tc,)
+    R = F.pad(R, (0, 1)).expand(len(s_hat), -1).contiguous()        # (U, Tc+1)
     # slots: bends of the layer-L/2 trajectory h_t = [k°_t/‖k°_t‖, v_t/‖v_t‖] over heads
     lb = cfg.n_layers // 2 if s.bend_layer is None else s.bend_layer
-    kb = M.apply_rope(full.layers[lb].k[0].to(acc), -pos, model.inv_freq)
+    kb = M.apply_rope(full.layers[lb].k[0].to(acc), -pos, model.inv_freq)   # (G, T, D)
     h = torch.cat((F.normalize(kb, dim=-1), F.normalize(full.layers[lb].v[0].to(acc), dim=-1)), -1)
-    kappa = bends(h.transpose(0, 1).reshape(T, -1), s.bend_width)[:Tc]
-    kr = torch.cat(kr)                                                # (U, Tc+1, D)
+    kappa = bends(h.transpose(0, 1).reshape(T, -1), s.bend_width)[:Tc]      # (Tc,)
+    kr = torch.cat(kr)                                              # (U, Tc+1, D)
+    hole = torch.zeros(len(kr), Tc, dtype=torch.bool, device=pos.device)
     return Context(T, r, kr, torch.cat(vs), kr.norm(dim=-1), torch.cat(lgs), torch.cat(qs),
-                   torch.cat(cs), F.pad(R, (0, 1)).expand(len(s_hat), -1).contiguous(), s_hat, torch.cat(omega), kappa, segment(kappa, Tc, s),
-                   torch.zeros(len(kr) * G, Tc, dtype=torch.bool, device=pos.device),
+                   torch.cat(cs), R, s_hat, torch.cat(omega), kappa, segment(kappa, Tc, s), hole,
                    model.inv_freq, s)
 
 
@@ -258,19 +267,19 @@ def node_stats(cx: Context, unit, a, b) -> dict:
     length = b - a
     order = length.argsort()                                                  # short spans together
     lens, parts, i = length[order].clamp(min=1).tolist(), [], 0
-    cap = max(1, (1 << 21) // cx.lg.shape[2])           # (node, token) pairs per chunk
-    while i < len(lens):        # largest j with (j − i)·lens[j−1] ≤ cap (lens ascending)
-        lo, hi = i + 1, len(lens)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if (mid - i) * lens[mid - 1] <= cap else (lo, mid - 1)
-        parts.append(_node_stats(cx, *(x[order[i:lo]] for x in (unit, a, b)), lens[lo - 1]))
-        i = lo
+    cap = max(1, (1 << 21) // cx.lg.shape[2])           # (node, token) pairs per chunk: memory bound
+    while i < len(lens):
+        j = i + 1
+        while j < len(lens) and (j + 1 - i) * lens[j] <= cap:
+            j += 1
+        parts.append(_node_stats(cx, *(x[order[i:j]] for x in (unit, a, b)), lens[j - 1]))
+        i = j
     inv = order.argsort()
     return {k: torch.cat([p[k] for p in parts])[inv] for k in parts[0]}
 
 
 def _node_stats(cx: Context, u, a, b, n):
+    """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
     s, Tc = cx.s, cx.Tc
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
     mask = idx < b[:, None]
@@ -286,10 +295,10 @@ def _node_stats(cx: Context, u, a, b, n):
     kbar = K.sum(1) / nf[:, None]                                             # mean k°  (N, D)
     p = ((idx * mask).sum(1) / nf).round()                                    # rounded mean position
     key = M.apply_rope(kbar, p, cx.inv_freq)                                  # k̃ = RoPE(mean k°, p̃)
-    hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)  # ħ = ‖mean k°‖/mean‖k°‖
+    hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)           # ħ = ‖mean k°‖/mean‖k°‖
     logm = (nf * hbar ** 2).clamp(min=1).minimum(nf).log()                   # m = clamp(n ħ², 1, n)
     Rt = rows(cx.R)                                                           # (N, n), 0 outside
-    w = Rt + s.beta / Tc * mask.to(Rt.dtype)                                  # R_t + β, β = 0.1·mean R = 0.1/Tc
+    w = Rt + s.beta / Tc * mask.to(Rt.dtype)                                  # R_t + β, β = 0.1/Tc
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
     lg = rows(cx.lg)                                                          # (N, n, P), −inf outside
     mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)                      # (N, P) log-space shift
@@ -303,7 +312,7 @@ def _node_stats(cx: Context, u, a, b, n):
     counts = torch.bincount(u, minlength=cx.q.shape[0]).tolist()
     qk = torch.cat([k @ cx.q[j].T for j, k in enumerate(key[by_unit].split(counts)) if len(k)])
     qk = qk[by_unit.argsort()] / math.sqrt(key.shape[-1])                     # (N, P) q_u·k̃/√D
-    logZp = logm[:, None] + qk - cx.c.index_select(0, u)                      # log Z̃ = log m + q·k̃/√D − c_u
+    logZp = logm[:, None] + qk - cx.c.index_select(0, u)            # log Z̃ = log m + q·k̃/√D − c
     D, Dd = distortion(logZ, mu2, muv, logZp, val.pow(2).sum(-1), s)
     zero = torch.zeros((), dtype=D.dtype, device=D.device)
     return dict(unit=u, a=a + first, b=a + last + 1, n=cnt, R=Rt.sum(1),
@@ -326,6 +335,7 @@ class Plan:
     split: dict = field(default_factory=dict)     # node -> (gain, cost, [children])
     steps: list = field(default_factory=list)
     frontier: set = field(default_factory=set)    # nodes in the cache at the end
+    floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
 
     def new(self, st: dict, rows) -> list:
         first = len(self.nodes["unit"])
@@ -381,7 +391,7 @@ def allocate(cx: Context, B_alloc: int) -> Plan:
         keep = (st["n"] > 0).nonzero()[:, 0]
         gain = (cx.omega[st["unit"]] * st["R"] * (st["Ddrop"] - st["D"]))[keep].tolist()
         plan.add_gain = dict(zip(plan.new(st, keep), gain))
-    heap = [(-g, i, "add", i) for i, g in plan.add_gain.items()]              # (−gain/cost, tie, kind, node)
+    heap = [(-g, i, "add", i) for i, g in plan.add_gain.items()]   # (−gain/cost, tie, kind, node)
     heapq.heapify(heap)
     n, spent, tie = plan.nodes["n"], 0, len(heap)
 
@@ -396,7 +406,7 @@ def allocate(cx: Context, B_alloc: int) -> Plan:
             top = heapq.nsmallest(cx.s.prefetch, heap)
             tau, done = -top[-1][0], 0
             todo = {c for e in top for c in entering(*e[2:])}
-            while todo and done < 4 * cx.s.prefetch:
+            while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead
                 evaluate(cx, plan, sorted(todo))
                 done += len(todo)
                 todo = {c for v in todo if plan.split[v][0] / plan.split[v][1] >= tau
@@ -433,14 +443,16 @@ def assemble(cx: Context, full: Cache, plan: Plan) -> Cache:
         for g in range(G):
             j = l * G + g
             protos = [i for i in mine[j] if nd["n"][i] > 1]
-            ex = sorted(cx.hole[j].nonzero()[:, 0].tolist() + [nd["a"][i] for i in mine[j] if nd["n"][i] == 1])
-            ex = torch.tensor(ex + list(range(Tc, cx.T)), dtype=torch.long, device=dev)
+            leaves = [nd["a"][i] for i in mine[j] if nd["n"][i] == 1]
+            ex = sorted(cx.hole[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
+            ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], ex, lc.bias[0, g, ex]
             if protos:
                 k = torch.cat((k, torch.stack([nd["key"][i] for i in protos]).to(k.dtype)))
                 v = torch.cat((v, torch.stack([nd["val"][i] for i in protos]).to(v.dtype)))
                 pos = torch.cat((pos, torch.tensor([nd["pos"][i] for i in protos], device=dev)))
-                bias = torch.cat((bias, torch.tensor([nd["logm"][i] for i in protos], device=dev, dtype=bias.dtype)))
+                logm = torch.tensor([nd["logm"][i] for i in protos], device=dev, dtype=bias.dtype)
+                bias = torch.cat((bias, logm))                               # log m: m tokens' mass
             o = pos.argsort(stable=True)
             heads.append((k[o], v[o], pos[o], bias[o]))
         S = max(len(h[2]) for h in heads)
@@ -484,6 +496,7 @@ def compress(model, full: Cache, stats: Stats, budget: int, settings: Optional[S
         top = score.sort(descending=True, stable=True).indices[:n_floor]
         cx.hole[top // Tc, Tc - 1 - top % Tc] = True
         plan = allocate(cx, spare - n_floor)
+        plan.floor = cx.hole
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
 
