@@ -82,6 +82,7 @@ class Settings:
     decay: float = 0.5
     beta: float = 0.1         # β = 0.1·mean R_t in the value weights (write-up)
     floor_frac: float = 0.1   # singleton floor: share of the non-window budget [choice: 10%]
+    extract: str = "split"    # how a node gives up its most salient token: "split" or "punch" (evaluate)
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     chunk: int = 512          # query rows per attention chunk while observing (memory only)
@@ -261,9 +262,11 @@ def distortion(logZ, mu2, muv, logZp, v2, s: Settings):
     return (w * Du).sum(-1), (w * Dd).sum(-1)
 
 
-def node_stats(cx: Context, unit, a, b) -> dict:
+def node_stats(cx: Context, unit, a, b, skip=None) -> dict:
     """Tightened spans, n, R, D, D(drop) and prototype (key, value, pos, log m) of nodes
-    [a, b) of units `unit` (N,), minus the unit's floor tokens. Sorted by length, in chunks."""
+    [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none).
+    Sorted by length, in chunks."""
+    skip = torch.full_like(a, -1) if skip is None else skip
     length = b - a
     order = length.argsort()                                                  # short spans together
     lens, parts, i = length[order].clamp(min=1).tolist(), [], 0
@@ -272,17 +275,17 @@ def node_stats(cx: Context, unit, a, b) -> dict:
         j = i + 1
         while j < len(lens) and (j + 1 - i) * lens[j] <= cap:
             j += 1
-        parts.append(_node_stats(cx, *(x[order[i:j]] for x in (unit, a, b)), lens[j - 1]))
+        parts.append(_node_stats(cx, *(x[order[i:j]] for x in (unit, a, b, skip)), lens[j - 1]))
         i = j
     inv = order.argsort()
     return {k: torch.cat([p[k] for p in parts])[inv] for k in parts[0]}
 
 
-def _node_stats(cx: Context, u, a, b, n):
+def _node_stats(cx: Context, u, a, b, skip, n):
     """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
     s, Tc = cx.s, cx.Tc
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
-    mask = idx < b[:, None]
+    mask = (idx < b[:, None]) & (idx != skip[:, None])
     mask &= ~cx.hole[u[:, None], idx.clamp(max=Tc - 1)]
     ix = idx.masked_fill(~mask, Tc)                                           # Tc: the sentinel row
     cnt = mask.sum(1)                                                         # (N,) tokens n
@@ -336,6 +339,7 @@ class Plan:
     steps: list = field(default_factory=list)
     frontier: set = field(default_factory=set)    # nodes in the cache at the end
     floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
+    slots: list = field(default_factory=list)     # [(a, b)] the context's slots
 
     def new(self, st: dict, rows) -> list:
         first = len(self.nodes["unit"])
@@ -346,8 +350,10 @@ class Plan:
 
 def evaluate(cx: Context, plan: Plan, ids: list):
     """Best split of each node: bisection at the highest κ in its central half, or extraction of
-    its most salient token ([a,t), {t}, (t,b)); whichever has the larger gain per entry."""
-    nd = plan.nodes
+    its most salient token t, whichever has the larger gain per entry. Extraction (`s.extract`):
+    "punch" = children {t} and the node minus t (cost 1; t becomes a hole of the unit, so every
+    later node of that unit, all inside this node, leaves it out); "split" = [a,t), {t}, (t,b)."""
+    nd, punch = plan.nodes, cx.s.extract == "punch"
     u, a, b = (torch.tensor([nd[k][i] for i in ids], device=cx.kr.device) for k in ("unit", "a", "b"))
     L = b - a
     n = int(L.max())
@@ -358,23 +364,31 @@ def evaluate(cx: Context, plan: Plan, ids: list):
     c = a + cx.kappa[idc].masked_fill(~central, float("-inf")).argmax(1)       # bisection point
     ok = (idx < b[:, None]) & ~cx.hole[u[:, None], idc]
     t = a + cx.sal[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)  # most salient token
-    st = node_stats(cx, u.repeat(5), torch.cat((a, c, a, t, t + 1)), torch.cat((c, b, t, t + 1, b)))
-    RD = (st["R"] * st["D"]).view(5, -1)                                      # (5, N)
-    valid = (st["n"] > 0).view(5, -1)
+    none = torch.full_like(a, -1)
+    if punch:   # candidates: [a,c), [c,b) | [a,b) ∖ {t}, {t}
+        lo, hi, skip = torch.cat((a, c, a, t)), torch.cat((c, b, b, t + 1)), torch.cat((none, none, t, none))
+    else:       # candidates: [a,c), [c,b) | [a,t), {t}, (t,b)
+        lo, hi, skip = torch.cat((a, c, a, t, t + 1)), torch.cat((c, b, t, t + 1, b)), none.repeat(5)
+    k = len(lo) // len(ids)
+    st = node_stats(cx, u.repeat(k), lo, hi, skip)
+    RD = (st["R"] * st["D"]).view(k, -1)                                      # (k, N)
+    valid = (st["n"] > 0).view(k, -1)
     RDv = torch.tensor([nd["R"][i] * nd["D"][i] for i in ids], device=a.device, dtype=RD.dtype)
     om = cx.omega[u]
     # Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1
     g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - (RD[2:] * valid[2:]).sum(0))
     cost_ext = valid[2:].sum(0) - 1
     use_ext = g_ext / cost_ext > g_bis                                        # ties: bisection
+    if punch:
+        cx.hole[u[use_ext], t[use_ext]] = True
     gain = torch.where(use_ext, g_ext, g_bis).tolist()
-    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (5, N) children rows
+    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (k, N) children rows
     ik = pick.T.nonzero()                                                     # (node, candidate) pairs
     kids = plan.new(st, ik[:, 1] * len(ids) + ik[:, 0])
     start = 0
-    for node, gv, k in zip(ids, gain, pick.sum(0).tolist()):
-        plan.split[node] = (gv, k - 1, kids[start:start + k])
-        start += k
+    for node, gv, nk in zip(ids, gain, pick.sum(0).tolist()):
+        plan.split[node] = (gv, nk - 1, kids[start:start + nk])
+        start += nk
 
 
 def allocate(cx: Context, B_alloc: int) -> Plan:
@@ -383,7 +397,7 @@ def allocate(cx: Context, B_alloc: int) -> Plan:
     Δ_add(root) = ω·R·(D_drop − D(root)), cost 1. Nodes are evaluated lazily, in batches: before
     an action is applied, the nodes it brings into the cache (and those of the next `prefetch`
     best actions) get their best split, so every available action is known when it competes."""
-    plan = Plan(B_alloc)
+    plan = Plan(B_alloc, floor=cx.hole.clone(), slots=cx.slots)   # floor = holes before the greedy
     roots = [(j, a, b) for j in range(cx.kr.shape[0]) for a, b in cx.slots]
     if roots:
         u, a, b = (torch.tensor(x, device=cx.kr.device) for x in zip(*roots))
@@ -444,7 +458,7 @@ def assemble(cx: Context, full: Cache, plan: Plan) -> Cache:
             j = l * G + g
             protos = [i for i in mine[j] if nd["n"][i] > 1]
             leaves = [nd["a"][i] for i in mine[j] if nd["n"][i] == 1]
-            ex = sorted(cx.hole[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
+            ex = sorted(plan.floor[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
             ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], ex, lc.bias[0, g, ex]
             if protos:
@@ -461,6 +475,26 @@ def assemble(cx: Context, full: Cache, plan: Plan) -> Cache:
                            for i, val in enumerate((0.0, 0.0, -1, float("-inf"))))
         layers.append(LayerCache(k, v, pos, bias))                            # (1, G, S, ·)
     return Cache(layers, full.next_pos, full.last_logits)
+
+
+def picture(plan: Plan, unit: int, Tc: int) -> list:
+    """One unit's cache as text, a line per slot and a character per context token:
+    'F' floor token, 'x' exact leaf of the tree, a letter per prototype (the tokens it stands
+    for), '.' dropped. The recent
+    window (exact) is not drawn."""
+    nd, row = plan.nodes, ["."] * Tc
+    mine = sorted((nd["a"][i], i) for i in plan.frontier if nd["unit"][i] == unit)
+    leaves = {nd["a"][i] for _, i in mine if nd["n"][i] == 1}
+    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
+    for k, (_, i) in enumerate([e for e in mine if nd["n"][e[1]] > 1]):
+        for t in range(nd["a"][i], nd["b"][i]):
+            if not plan.floor[unit, t] and t not in leaves:
+                row[t] = letters[k % len(letters)]
+    for t in leaves:
+        row[t] = "x"
+    for t in plan.floor[unit].nonzero()[:, 0].tolist():
+        row[t] = "F"
+    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
 
 
 # ----------------------------------------------------------------------------- API
@@ -496,7 +530,6 @@ def compress(model, full: Cache, stats: Stats, budget: int, settings: Optional[S
         top = score.sort(descending=True, stable=True).indices[:n_floor]
         cx.hole[top // Tc, Tc - 1 - top % Tc] = True
         plan = allocate(cx, spare - n_floor)
-        plan.floor = cx.hole
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
 

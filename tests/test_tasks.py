@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 import model
+import metrics
 import tasks
 
 
@@ -224,67 +225,67 @@ def test_fidelity_text_too_long_is_a_usage_error(tok):
 # ----------------------------------------------------------------------------- metrics
 
 def test_string_match():
-    assert tasks.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(200 / 3)
-    assert tasks.string_match_all("ABC-def", ["abc-DEF"]) == 100.0          # case-insensitive
-    assert tasks.string_match_all("", ["1"]) == 0.0
-    assert tasks.string_match_part("x 456", ["123", "456"]) == 100.0
-    assert tasks.string_match_part("", ["123", "456"]) == 0.0
+    assert metrics.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(200 / 3)
+    assert metrics.string_match_all("ABC-def", ["abc-DEF"]) == 100.0          # case-insensitive
+    assert metrics.string_match_all("", ["1"]) == 0.0
+    assert metrics.string_match_part("x 456", ["123", "456"]) == 100.0
+    assert metrics.string_match_part("", ["123", "456"]) == 0.0
 
 
 def test_qa_f1_score():
     # "the cat sat on the mat." -> cat sat on mat (4); "a cat on mat" -> cat on mat (3); 3 common
     # P = 3/4, R = 1, F1 = 2·(3/4)/(7/4) = 6/7
-    assert tasks.qa_f1_score("The Cat sat on the mat.", "a cat on mat") == pytest.approx(6 / 7)
-    assert tasks.qa_f1_score("cat cat", "cat") == pytest.approx(2 / 3)      # bags: P = 1/2, R = 1
-    assert tasks.qa_f1_score("", "cat") == 0.0
-    assert tasks.qa_f1_score("The.", "the") == 0.0                          # both normalize to nothing
-    assert tasks.normalize_answer("  The  U.S.A., an ally!") == "usa ally"
+    assert metrics.qa_f1_score("The Cat sat on the mat.", "a cat on mat") == pytest.approx(6 / 7)
+    assert metrics.qa_f1_score("cat cat", "cat") == pytest.approx(2 / 3)      # bags: P = 1/2, R = 1
+    assert metrics.qa_f1_score("", "cat") == 0.0
+    assert metrics.qa_f1_score("The.", "the") == 0.0                          # both normalize to nothing
+    assert metrics.normalize_answer("  The  U.S.A., an ally!") == "usa ally"
 
 
 def test_rouge_score_by_hand():
     # one sentence, no repeats: LCS(a b c d, a c d e) = a c d: R = P = 3/4
-    assert tasks.rouge_score("a b c d", "a c d e") == pytest.approx(0.75, abs=1e-7)
+    assert metrics.rouge_score("a b c d", "a c d e") == pytest.approx(0.75, abs=1e-7)
     # word *sets*: ref {the cat is on mat} m = 5, hyp {the cat sat on mat} n = 5,
     # LCS = the cat on the mat -> set {the cat on mat} = 4 -> F = 0.8 (a plain LCS F1 gives 5/6)
-    assert tasks.rouge_score("the cat sat on the mat", "the cat is on the mat") == pytest.approx(0.8, abs=1e-7)
+    assert metrics.rouge_score("the cat sat on the mat", "the cat is on the mat") == pytest.approx(0.8, abs=1e-7)
     # summary level (the `rouge` docstring example): ref w1..w5, hyp c1 = w1 w2 w6 w7 w8,
     # c2 = w1 w3 w8 w9 w5: union LCS {w1 w2 w3 w5} = 4, m = 5, n = 8: R = 4/5, P = 1/2, F = 8/13
-    assert tasks.rouge_score("w1 w2 w6 w7 w8. w1 w3 w8 w9 w5", "w1 w2 w3 w4 w5") == pytest.approx(8 / 13, abs=1e-7)
-    assert tasks.rouge_score("", "a b") == 0.0 and tasks.rouge_score("...", "a b") == 0.0
-    assert tasks.rouge_score("x y", "a b") == 0.0
+    assert metrics.rouge_score("w1 w2 w6 w7 w8. w1 w3 w8 w9 w5", "w1 w2 w3 w4 w5") == pytest.approx(8 / 13, abs=1e-7)
+    assert metrics.rouge_score("", "a b") == 0.0 and metrics.rouge_score("...", "a b") == 0.0
+    assert metrics.rouge_score("x y", "a b") == 0.0
 
 
 def test_classification_score_and_its_quirk():
     classes = ["Man", "Manner", "Manner of an action", "Reason"]
     # matches [Man, Manner, Manner of an action]; "Man" is removed (inside the truth), and the loop
     # then skips "Manner", which survives although it is inside the truth too: 1/2, not 1
-    assert tasks.classification_score("Manner of an action", "Manner of an action", all_classes=classes) == 0.5
+    assert metrics.classification_score("Manner of an action", "Manner of an action", all_classes=classes) == 0.5
     # truth "Manner": matches [Man, Manner]; "Man" removed, nothing left to skip: 1/1
-    assert tasks.classification_score("Manner", "Manner", all_classes=classes) == 1.0
+    assert metrics.classification_score("Manner", "Manner", all_classes=classes) == 1.0
     # matches [Man, Manner, Reason], none inside "Reason" but itself: 1/3
-    assert tasks.classification_score("Reason and Manner", "Reason", all_classes=classes) == pytest.approx(1 / 3)
-    assert tasks.classification_score("Reason", "Manner", all_classes=classes) == 0.0
-    assert tasks.classification_score("", "Manner", all_classes=classes) == 0.0
+    assert metrics.classification_score("Reason and Manner", "Reason", all_classes=classes) == pytest.approx(1 / 3)
+    assert metrics.classification_score("Reason", "Manner", all_classes=classes) == 0.0
+    assert metrics.classification_score("", "Manner", all_classes=classes) == 0.0
 
 
 def test_retrieval_and_count_scores():
-    assert tasks.retrieval_score("Paragraph 12", "Paragraph 12") == 1.0
-    assert tasks.retrieval_score("Paragraph 12, not Paragraph 3", "Paragraph 12") == 0.5
-    assert tasks.retrieval_score("Paragraph 1", "Paragraph 12") == 0.0        # whole numbers only
-    assert tasks.retrieval_score("Paragraph 120", "Paragraph 12") == 0.0
-    assert tasks.retrieval_score("", "Paragraph 12") == 0.0
-    assert tasks.count_score("There are 7 unique paragraphs out of 10", "7") == 0.5
-    assert tasks.count_score("seven", "7") == 0.0
+    assert metrics.retrieval_score("Paragraph 12", "Paragraph 12") == 1.0
+    assert metrics.retrieval_score("Paragraph 12, not Paragraph 3", "Paragraph 12") == 0.5
+    assert metrics.retrieval_score("Paragraph 1", "Paragraph 12") == 0.0        # whole numbers only
+    assert metrics.retrieval_score("Paragraph 120", "Paragraph 12") == 0.0
+    assert metrics.retrieval_score("", "Paragraph 12") == 0.0
+    assert metrics.count_score("There are 7 unique paragraphs out of 10", "7") == 0.5
+    assert metrics.count_score("seven", "7") == 0.0
 
 
 def test_code_sim_score():
     # first line without ` # //: "x = foo(1)"; difflib ratio vs "x = foo(2)": 2·9/20 = 0.9
-    assert tasks.code_sim_score("```python\n# comment\nx = foo(1)\n", "x = foo(2)") == 0.9
+    assert metrics.code_sim_score("```python\n# comment\nx = foo(1)\n", "x = foo(2)") == 0.9
     # "return x" vs "return y": 2·7/16 = 0.875 -> round(87.5) = 88 (half to even) -> 0.88
-    assert tasks.code_sim_score("\n\nreturn x", "return y") == 0.88
-    assert tasks.code_sim_score("// only\n# only", "x = 1") == 0.0
-    assert tasks.code_sim_score("x = 1", "x = 1") == 1.0
-    assert tasks.code_sim_score("", "") == 1.0                                 # fuzz.ratio("", "") = 100
+    assert metrics.code_sim_score("\n\nreturn x", "return y") == 0.88
+    assert metrics.code_sim_score("// only\n# only", "x = 1") == 0.0
+    assert metrics.code_sim_score("x = 1", "x = 1") == 1.0
+    assert metrics.code_sim_score("", "") == 1.0                                 # fuzz.ratio("", "") = 100
 
 
 def _lb(task, answers, metric, all_classes=None):
@@ -293,13 +294,13 @@ def _lb(task, answers, metric, all_classes=None):
 
 def test_score_postprocessing_and_max_over_answers():
     # trec/triviaqa/samsum/lsht keep only the first line of the prediction (LongBench eval.py)
-    assert tasks.score(_lb("triviaqa", ["London"], "qa_f1_score"), "Paris\nLondon") == 0.0
-    assert tasks.score(_lb("hotpotqa", ["London"], "qa_f1_score"), "Paris\nLondon") == pytest.approx(200 / 3)
-    assert tasks.score(_lb("hotpotqa", ["the city of Paris", "Paris"], "qa_f1_score"), "Paris") == 100.0
-    assert tasks.score(_lb("trec", ["Reason"], "classification_score", ["Reason", "Manner"]), "\nReason\nManner") == 100.0
-    assert tasks.score(_lb("hotpotqa", [], "qa_f1_score"), "Paris") == 0.0
+    assert metrics.score(_lb("triviaqa", ["London"], "qa_f1_score"), "Paris\nLondon") == 0.0
+    assert metrics.score(_lb("hotpotqa", ["London"], "qa_f1_score"), "Paris\nLondon") == pytest.approx(200 / 3)
+    assert metrics.score(_lb("hotpotqa", ["the city of Paris", "Paris"], "qa_f1_score"), "Paris") == 100.0
+    assert metrics.score(_lb("trec", ["Reason"], "classification_score", ["Reason", "Manner"]), "\nReason\nManner") == 100.0
+    assert metrics.score(_lb("hotpotqa", [], "qa_f1_score"), "Paris") == 0.0
     ruler = tasks.Sample("niah_single_1", 0, "", ["1234567"], "string_match_all", 128)
-    assert tasks.score(ruler, " 1234567\x00.") == 100.0 and tasks.score(ruler, "") == 0.0
+    assert metrics.score(ruler, " 1234567\x00.") == 100.0 and metrics.score(ruler, "") == 0.0
 
 
 # ----------------------------------------------------------------------------- LongBench loader
