@@ -40,10 +40,10 @@ from model import UsageError
 UNIFORM = ("full", "streaming", "h2o", "tova", "snapkv", "pyramidkv", "random")
 # GraceKV and its ablations (gracekv.Settings overrides): which part buys what
 GRACE = {"gracekv": {},
-         "gracekv-floor": {"floor_frac": 1.0},     # no trees: the whole budget to exact tokens by ω·R
+         "gracekv-floor": {"floor_frac": 1.0},     # no trees: every entry an exact token chosen by ω·R
+         "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
          "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
-         "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},   # value flow without propagation
-         "gracekv-split": {"extract": "split"}}    # extraction as 3 contiguous children (cost 2)
+         "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0}}   # value flow without propagation
 METHODS = UNIFORM + ("polykv", "polykv-pattern", "polykv-budget") + tuple(GRACE)
 DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
@@ -151,7 +151,9 @@ def observe(model, tokens, methods):
 def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
     """All (method, budget) results of one item not in done, as dicts."""
     T = item.tokens.shape[1]
+    t0 = time.perf_counter()
     full, stats = observe(model, item.tokens, names)
+    t_p = time.perf_counter() - t0
     ref_lp = teacher_force(model, full.fork(), item.target) if item.target is not None else None
     L, G = model.config.n_layers, model.config.n_kv_heads
     out = []
@@ -165,7 +167,8 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
             t_c = time.perf_counter() - t0
             r = {"key": key, "method": name, "budget": budget, "task": item.task,
                  "length": item.length, "index": item.index, "n_tokens": T,
-                 "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4)}
+                 "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4),
+                 "prefill_s": round(t_p, 4)}   # the shared prefill + every method's statistics
             if item.target is not None:
                 # a cache without decode hooks is reused through a fork; one whose hooks evict
                 # during decoding (stateful) is compressed again for the greedy answer
@@ -221,18 +224,20 @@ def summarize(rows: list, names, budgets) -> list:
     acc = {}
     for r in rows:
         task = r["task"]
-        metrics = {}
+        vals = {}
         if task == "fidelity":
-            metrics = {m: r[m] for m in ("kl", "dnll", "top1")}
+            vals = {m: r[m] for m in ("kl", "dnll", "top1")}
         else:
             if "score" in r:
-                metrics[r.get("metric", "string_match_all")] = r["score"]
+                vals[r.get("metric", "string_match_all")] = r["score"]
             if "kl" in r:   # answer fidelity over all RULER samples
                 for m in ("kl", "dnll"):
                     acc.setdefault((r["method"], r["budget"], "answer", m), []).append(r[m])
-        for m, v in metrics.items():
+        for m, v in vals.items():
             acc.setdefault((r["method"], r["budget"], task, m), []).append(v)
         acc.setdefault((r["method"], r["budget"], "memory", "kv_fraction"), []).append(r["kv_fraction"])
+        if "compress_s" in r:
+            acc.setdefault((r["method"], r["budget"], "time", "compress_s"), []).append(r["compress_s"])
     out = [{"method": k[0], "budget": k[1], "task": k[2], "metric": k[3],
             "value": round(sum(v) / len(v), 4), "n": len(v)} for k, v in acc.items()]
     order = {n: i for i, n in enumerate(names)}
@@ -246,7 +251,8 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
     cols = [(t, "string_match_all", t, "{:.1f}") for t in ruler_tasks]
     cols += [("ruler_avg", None, "RULER avg", "{:.1f}"), ("answer", "dnll", "ans ΔNLL", "{:.3f}"),
              ("fidelity", "kl", "KL", "{:.4f}"), ("fidelity", "dnll", "ΔNLL", "{:.4f}"),
-             ("fidelity", "top1", "top-1 %", "{:.1f}"), ("memory", "kv_fraction", "KV kept %", "{:.1f}")]
+             ("fidelity", "top1", "top-1 %", "{:.1f}"), ("memory", "kv_fraction", "KV kept %", "{:.1f}"),
+             ("time", "compress_s", "compress s", "{:.2f}")]
     lines = ["| budget | method | " + " | ".join(c[2] for c in cols) + " |",
              "|---|---|" + "---|" * len(cols)]
     for b in budgets:
@@ -383,10 +389,13 @@ def main(argv=None):
             print(progress(rows, item, args, i, len(items), eta), flush=True)
     summary = summarize(rows, args.methods, args.budget)
     config["wall_s"] = round(time.time() - t_start, 1)
+    per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}
+    config["prefill_s"] = round(sum(per_prompt.values()) / max(1, len(per_prompt)), 2)
     (out / "summary.json").write_text(json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
-              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s")
+              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s · shared prefill "
+              f"{config['prefill_s']} s per prompt")
     md = header + "\n\n" + table(summary, args.methods, args.budget, args.tasks)
     (out / "summary.md").write_text(md + "\n")
     print("\n" + md)

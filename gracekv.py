@@ -11,7 +11,7 @@ After one full-attention prefill of the prompt (T tokens):
     one cache entry: key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value
     ṽ = Σ(R_t+β)v_t / Σ(R_t+β), multiplicity m = clamp(n·ħ², 1, n) entering attention as the
     logit bias log m. Leaves are the exact tokens. A node splits by bisection or by extracting
-    its most salient token.
+    its most salient token as an exact leaf (the node keeps standing for the rest).
  3. Distortion D(v) of a node for the probe queries, in log space; D(drop) = keeping nothing.
  4. Value flow: token relevance R_t (what the probes attend to, spread along attention for a
     few decayed hops) and a head weight ω per unit.
@@ -34,8 +34,10 @@ prompt with T ≤ B is returned uncompressed (FullKV). One prompt at a time (bat
   T positions, about the cost of the prefill on this model. Cut: the highest κ in each window
   [a+slot_min, a+slot_max] (allowed by the write-up); a slot starts at its bend token.
 - Bisection at the highest κ of the node's central half (depth ≤ log_{4/3} n). Extraction of
-  the token with the most first-hop probe mass ŝ of that unit: children [a,t), {t}, (t,b),
-  contiguous, cost = #children − 1 (hence "gain per cost"). Ties: bisection.
+  the token t with the most first-hop probe mass ŝ of that unit: children {t} and the node minus
+  t (a prototype with a hole; t is left out of every later node of that unit), cost 1, so both
+  splits cost one entry. The first version cut [a,t), {t}, (t,b) (cost 2); on the default suite
+  it was worse (README, GraceKV ablation) and was dropped. Ties: bisection.
 - Split gain ω·(R(v)D(v) − Σ_c R(c)D(c)): children's D weighted by their share of R, so the
   greedy lowers one objective Σ ω·R·D (the literal ω·R(v)·(D(v) − Σ_c D(c)) scores a useful
   split negative whenever the children's relative distortions add up to more than the parent's).
@@ -47,6 +49,10 @@ prompt with T ≤ B is returned uncompressed (FullKV). One prompt at a time (bat
   β = 0.1·mean R = 0.1/Tc.
 - Floor size ⌊floor_frac·U·(B−r)⌋, chosen over (unit, token) pairs by ω_j·R_t (ties: later
   token); floor tokens are holes in their unit's trees, nodes are tightened around them.
+  floor_frac = 0.95, not the 10 % first tried: on the embedded model the prototype trees buy
+  less per entry than the exact tokens they displace, and the floor's global ω·R allocation is
+  where the method's gain comes from (README, GraceKV ablation: 10 % floor KL 0.279 / 0.058 at
+  B = 128 / 512, 95 % 0.240 / 0.050, no trees at all 0.237 / 0.048).
 - The greedy spends the whole B_alloc, negative gains included (an exact leaf is never worse than
   its prototype, and a budget ≥ T ends in all leaves = FullKV); an action costing more than what
   is left is dropped. Heap ties: earlier pushed first. Mean positions round half to even.
@@ -81,8 +87,7 @@ class Settings:
     hops: int = 2
     decay: float = 0.5
     beta: float = 0.1         # β = 0.1·mean R_t in the value weights (write-up)
-    floor_frac: float = 0.1   # singleton floor: share of the non-window budget [choice: 10%]
-    extract: str = "split"    # how a node gives up its most salient token: "split" or "punch" (evaluate)
+    floor_frac: float = 0.95  # singleton floor: share of the non-window budget [choice: measured, see docstring]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     chunk: int = 512          # query rows per attention chunk while observing (memory only)
@@ -350,10 +355,10 @@ class Plan:
 
 def evaluate(cx: Context, plan: Plan, ids: list):
     """Best split of each node: bisection at the highest κ in its central half, or extraction of
-    its most salient token t, whichever has the larger gain per entry. Extraction (`s.extract`):
-    "punch" = children {t} and the node minus t (cost 1; t becomes a hole of the unit, so every
-    later node of that unit, all inside this node, leaves it out); "split" = [a,t), {t}, (t,b)."""
-    nd, punch = plan.nodes, cx.s.extract == "punch"
+    its most salient token t as an exact leaf, the node minus t standing for the rest (t becomes
+    a hole of the unit, so every later node of that unit, all inside this one, leaves it out).
+    Both cost one entry; the larger gain wins (ties: bisection)."""
+    nd = plan.nodes
     u, a, b = (torch.tensor([nd[k][i] for i in ids], device=cx.kr.device) for k in ("unit", "a", "b"))
     L = b - a
     n = int(L.max())
@@ -365,24 +370,19 @@ def evaluate(cx: Context, plan: Plan, ids: list):
     ok = (idx < b[:, None]) & ~cx.hole[u[:, None], idc]
     t = a + cx.sal[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)  # most salient token
     none = torch.full_like(a, -1)
-    if punch:   # candidates: [a,c), [c,b) | [a,b) ∖ {t}, {t}
-        lo, hi, skip = torch.cat((a, c, a, t)), torch.cat((c, b, b, t + 1)), torch.cat((none, none, t, none))
-    else:       # candidates: [a,c), [c,b) | [a,t), {t}, (t,b)
-        lo, hi, skip = torch.cat((a, c, a, t, t + 1)), torch.cat((c, b, t, t + 1, b)), none.repeat(5)
-    k = len(lo) // len(ids)
-    st = node_stats(cx, u.repeat(k), lo, hi, skip)
-    RD = (st["R"] * st["D"]).view(k, -1)                                      # (k, N)
-    valid = (st["n"] > 0).view(k, -1)
+    # candidate children (4, N): [a,c), [c,b) | [a,b) ∖ {t}, {t}
+    st = node_stats(cx, u.repeat(4), torch.cat((a, c, a, t)), torch.cat((c, b, b, t + 1)),
+                    torch.cat((none, none, t, none)))
+    RD = (st["R"] * st["D"]).view(4, -1)                                      # (4, N)
+    valid = (st["n"] > 0).view(4, -1)
     RDv = torch.tensor([nd["R"][i] * nd["D"][i] for i in ids], device=a.device, dtype=RD.dtype)
     om = cx.omega[u]
-    # Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1
-    g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - (RD[2:] * valid[2:]).sum(0))
-    cost_ext = valid[2:].sum(0) - 1
-    use_ext = g_ext / cost_ext > g_bis                                        # ties: bisection
-    if punch:
-        cx.hole[u[use_ext], t[use_ext]] = True
+    # Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1 = 1 (the leaf has D = 0)
+    g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - RD[2])
+    use_ext = g_ext > g_bis                                                   # ties: bisection
+    cx.hole[u[use_ext], t[use_ext]] = True
     gain = torch.where(use_ext, g_ext, g_bis).tolist()
-    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (k, N) children rows
+    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (4, N) children rows
     ik = pick.T.nonzero()                                                     # (node, candidate) pairs
     kids = plan.new(st, ik[:, 1] * len(ids) + ik[:, 0])
     start = 0

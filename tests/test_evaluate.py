@@ -85,7 +85,8 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
     monkeypatch.setattr(E, "run_item", real)
     calls.clear()
     resumed = run(tiny_dir, tmp_path / "b", "--policy", str(policy_file))
-    assert resumed["rows"] == whole["rows"]
+    timeless = lambda s: [r for r in s["rows"] if r["task"] != "time"]    # wall-clock rows differ
+    assert timeless(resumed) == timeless(whole) and len(timeless(whole)) < len(whole["rows"])
     lines = (tmp_path / "b" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == len({json.loads(l)["key"] for l in lines}) == 4 * 8 * 2   # nothing done twice
 
