@@ -15,6 +15,11 @@ methods of one sample share that one prefill (and its attention statistics); eac
 only its compression and decoding. Teacher-forced distributions count from the first
 continuation token (predicted from the prefill's last logits) on.
 
+Ablations are methods too: `polykv-pattern` (the calibrated rules, uniform budgets),
+`polykv-budget` (the best uniform rule, the calibrated budgets) and the `gracekv-*` variants of
+GRACE (gracekv.Settings overrides). Each row records its compression time (`compress_s`) and
+the shared prefill's (`prefill_s`).
+
 Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
 with the same arguments skips what is there. OUT/summary.json (flat rows for scripts) and
 OUT/summary.md (the table) are written at the end.
@@ -98,7 +103,7 @@ class Methods:
             else:
                 import calibrate
                 print(f"polykv: policy for budget {budget} from {self.args.cache_dir} "
-                      "(calibrated once on first use, ~5 min on 2 CPU cores)", flush=True)
+                      "(calibrated once on first use, about 10 min on 2 CPU cores)", flush=True)
                 self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
                                                           self.args.seed, Path(self.args.cache_dir))
         pol = self.policies[key]

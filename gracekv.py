@@ -197,7 +197,7 @@ class Context:
     omega: torch.Tensor   # (U,) head weight ω
     kappa: torch.Tensor   # (Tc,) bends
     slots: list
-    hole: torch.Tensor    # (U, Tc) floor tokens (exact, outside the trees)
+    hole: torch.Tensor    # (U, Tc) tokens later nodes leave out: the floor, then extracted leaves
     inv_freq: torch.Tensor
     s: Settings
 
