@@ -25,7 +25,7 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
   positions of the sorted topic keys; evaluation text uses the even ones, so none is scored
   later. Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64
   held-out tokens; the seed picks the passages' offset. Cost: 2 prefills + L·(4 + 3)·2 = 420
-  single-layer probes + 8 uniform baselines: about 7 minutes at B = 512 or 128 on 2 CPU cores.
+  single-layer probes + 8 uniform baselines: 5 min 19 s at B = 512 on a quiet 2-core CPU.
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: prefill streaming, h2o, tova, snapkv, all probed at the same budget B. Not pyramidkv:

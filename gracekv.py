@@ -335,7 +335,8 @@ def _node_stats(cx: Context, u, a, b, skip, n):
 class Plan:
     """The forest as far as it was explored, and the greedy's trace.
 
-    Node i: unit[i], span [a[i], b[i]) minus floor tokens, n[i] tokens, R[i], D[i]; roots have
+    Node i: unit[i], span [a[i], b[i]) minus the unit's holes when it was made (floor tokens,
+    tokens extracted from its ancestors), n[i] tokens, R[i], D[i]; roots have
     add_gain; evaluated nodes have split (gain, cost, children). steps: (kind, node, gain, cost)."""
     B_alloc: int
     nodes: dict = field(default_factory=lambda: {k: [] for k in
@@ -397,7 +398,8 @@ def allocate(cx: Context, B_alloc: int) -> Plan:
 
     Δ_add(root) = ω·R·(D_drop − D(root)), cost 1. Nodes are evaluated lazily, in batches: before
     an action is applied, the nodes it brings into the cache (and those of the next `prefetch`
-    best actions) get their best split, so every available action is known when it competes."""
+    best actions) get their best split, so every available action is known when it competes.
+    Extractions mark holes in cx.hole: one Context serves one allocate call."""
     plan = Plan(B_alloc, floor=cx.hole.clone(), slots=cx.slots)   # floor = holes before the greedy
     roots = [(j, a, b) for j in range(cx.kr.shape[0]) for a, b in cx.slots]
     if roots:
