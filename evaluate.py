@@ -36,9 +36,9 @@ from pathlib import Path
 
 import torch
 
+import metrics
 import model as M
 import polykv as P
-import metrics
 import tasks as TK
 from model import UsageError
 
