@@ -324,6 +324,13 @@ def pattern_only(policy: Policy) -> Policy:
     return Policy(layers, B, policy.settings, {**policy.meta, "ablation": "pattern_only"})
 
 
+def prefill_only(policy: Policy) -> Policy:
+    """The calibrated prefill phase (rules and budgets); no eviction while decoding (`append`),
+    as uniform SnapKV and PyramidKV do. Isolates what the decode-phase calibration costs or buys."""
+    layers = [LayerPolicy(lp.prefill, ("append", lp.prefill[1])) for lp in policy.layers]
+    return Policy(layers, policy.budget, policy.settings, {**policy.meta, "ablation": "prefill_only"})
+
+
 def budget_only(policy: Policy, rule: str) -> Policy:
     """One uniform rule (its own decode form, SPEC.md §3) with the calibrated budgets."""
     if rule not in polykv.RULES:

@@ -16,7 +16,8 @@ only its compression and decoding. Teacher-forced distributions count from the f
 continuation token (predicted from the prefill's last logits) on.
 
 Ablations are methods too: `polykv-pattern` (the calibrated rules, uniform budgets),
-`polykv-budget` (the best uniform rule, the calibrated budgets) and the `gracekv-*` variants of
+`polykv-budget` (the best uniform rule, the calibrated budgets), `polykv-prefill` (the
+calibrated prefill phase, no eviction while decoding) and the `gracekv-*` variants of
 GRACE (gracekv.Settings overrides). Each row records its compression time (`compress_s`) and
 the shared prefill's (`prefill_s`).
 
@@ -49,7 +50,7 @@ GRACE = {"gracekv": {},
          "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
          "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
          "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0}}   # value flow without propagation
-METHODS = UNIFORM + ("polykv", "polykv-pattern", "polykv-budget") + tuple(GRACE)
+METHODS = UNIFORM + ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill") + tuple(GRACE)
 DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
 # full cache at the default length (README: measured FullKV scores and why the others are out)
@@ -123,6 +124,8 @@ class Methods:
         import calibrate
         if method == "polykv-pattern":
             return calibrate.pattern_only(self.calibrated(budget))
+        if method == "polykv-prefill":
+            return calibrate.prefill_only(self.calibrated(budget))
         return calibrate.budget_only(self.calibrated(budget), self.best_uniform(budget))
 
     def compress(self, method, budget, tokens, full, stats):

@@ -247,7 +247,8 @@ def test_one_rule_uniform_budgets_equals_uniform_policy(rule):
         uni = P.Policy.uniform(rule, B, L, decode="tova", settings=SET)
     assert pol.layers == uni.layers
     pairs = [(pol, uni), (C.pattern_only(pol), uni),
-             (C.budget_only(pol, rule), P.Policy.uniform(rule, B, L, settings=SET))]
+             (C.budget_only(pol, rule), P.Policy.uniform(rule, B, L, settings=SET)),
+             (C.prefill_only(pol), P.Policy.uniform(rule, B, L, decode="append", settings=SET))]
     for p, q in pairs:
         a, b = P.prefill(m, tokens[:, :T], p), P.prefill(m, tokens[:, :T], q)
         for la, lb in zip(a.layers, b.layers):
@@ -271,6 +272,8 @@ def test_build_budgets_append_and_ablations():
     assert [lp.decode[0] for lp in pp.layers] == ["append", "streaming", "streaming", "streaming"]
     po = C.pattern_only(pp)
     assert [(lp.prefill, lp.decode) for lp in po.layers] == [(("h2o", 100), (d, 100)) for d in ("append",) + ("streaming",) * 3]
+    pf = C.prefill_only(pp)
+    assert [(lp.prefill, lp.decode) for lp in pf.layers] == [(lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers]
     bo = C.budget_only(pp, "tova")
     assert [(lp.prefill, lp.decode) for lp in bo.layers] == [(("tova", 25), ("tova", 325)), (("tova", 25), ("tova", 25)),
                                                              (("tova", 25), ("tova", 25)), (("tova", 325), ("tova", 25))]
