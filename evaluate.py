@@ -128,12 +128,15 @@ class Methods:
             return calibrate.prefill_only(self.calibrated(budget))
         return calibrate.budget_only(self.calibrated(budget), self.best_uniform(budget))
 
-    def compress(self, method, budget, tokens, full, stats):
+    def compressor(self, method, budget, T):
+        """(full, stats) -> compressed cache for one method and budget. Its policy is resolved
+        here (PolyKV: calibrated or loaded once), so a call costs only the compression."""
         if method in GRACE:
             import gracekv
-            return gracekv.compress(self.model, full, stats["gracekv"], budget,
-                                    gracekv.Settings(**GRACE[method]))
-        return P.compress(full, stats["polykv"], self.policy(method, budget, tokens.shape[1]))
+            s = gracekv.Settings(**GRACE[method])
+            return lambda full, stats: gracekv.compress(self.model, full, stats["gracekv"], budget, s)
+        policy = self.policy(method, budget, T)
+        return lambda full, stats: P.compress(full, stats["polykv"], policy)
 
 
 def observe(model, tokens, methods):
@@ -170,10 +173,9 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
             key = result_key(name, budget, item)
             if key in done:
                 continue
-            if name.startswith("polykv"):
-                methods.calibrated(budget)      # calibrated or loaded once: not compression time
+            compress = methods.compressor(name, budget, T)
             t0 = time.perf_counter()
-            cache = methods.compress(name, budget, item.tokens, full, stats)
+            cache = compress(full, stats)
             t_c = time.perf_counter() - t0
             r = {"key": key, "method": name, "budget": budget, "task": item.task,
                  "length": item.length, "index": item.index, "n_tokens": T,
@@ -186,7 +188,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
                 r.update(compare(ref_lp, teacher_force(model, once, item.target), item.target))
             if item.sample is not None:
                 if item.target is not None and cache.hooks is not None:
-                    cache = methods.compress(name, budget, item.tokens, full, stats)
+                    cache = compress(full, stats)
                 ids = M.greedy(model, cache, min(item.sample.max_new_tokens, methods.args.max_new_tokens),
                                tok.eos_ids)
                 r["pred"] = tok.decode(ids)
@@ -379,7 +381,6 @@ def main(argv=None):
     rows = [json.loads(l) for l in jsonl.read_text().splitlines() if l.strip()] if jsonl.exists() else []
     done = {r["key"] for r in rows}
     methods = Methods(m, tok, args)
-    per_item = len(args.methods) * len(args.budget)
     t0, n_run = time.time(), 0
     with open(jsonl, "a") as f:
         for i, item in enumerate(items):
