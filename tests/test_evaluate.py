@@ -9,6 +9,7 @@ import torch
 
 import evaluate as E
 import model as M
+import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,10 +99,10 @@ def test_summary_table_and_gap():
         rows.append({"method": m, "budget": 64, "task": "niah_single_1", "score": sc, "metric": "string_match_all",
                      "kl": kl, "dnll": 2 * kl, "kv_fraction": 0.1})
     names = ["full", "snapkv", "tova", "polykv"]
-    summary = E.summarize(rows, names, [64])
+    summary = report.summarize(rows, names, [64])
     get = {(d["method"], d["task"], d["metric"]): d["value"] for d in summary}
     assert get[("tova", "answer", "dnll")] == 0.2 and get[("polykv", "niah_single_1", "string_match_all")] == 70
-    md = E.table(summary, names, [64], ["niah_single_1"])
+    md = report.table(summary, names, [64], ["niah_single_1"])
     # best uniform by KL is tova (0.1): (0.05 − 0.1)/(0 − 0.1) = +50%; by RULER snapkv (50): (70−50)/(100−50) = +40%
     assert "fidelity KL: +50.0% (best uniform tova)" in md
     assert "RULER avg: +40.0% (best uniform snapkv)" in md
