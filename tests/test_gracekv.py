@@ -6,6 +6,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import gracekv as GK
+import prototypes as PR
 import model as M
 from model import Config, Llama
 
@@ -160,7 +161,7 @@ def test_prototype_and_distortion_equal_naive(T, seed):
     u = torch.randint(U, (12,), generator=g)
     a = torch.randint(Tc - 1, (12,), generator=g)
     b = torch.minimum(a + 1 + torch.randint(8, (12,), generator=g), torch.tensor(Tc))
-    got = GK.node_stats(cx, u, a, b)
+    got = PR.node_stats(cx, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
         want = naive_node(cx, int(u[i]), toks, SET)
@@ -178,11 +179,11 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     mu = torch.randn(3, 1, 8, dtype=torch.float64)
     mu2 = mu.pow(2).sum(-1)                                                   # prototype = exact: ṽ = μ
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
-    D, Dd = GK.distortion(logZ, mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
+    D, Dd = PR.distortion(logZ, mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
     assert torch.all(D.abs() < 1e-12) and torch.all(Dd > 1.9)
     for big in (1e4, -1e4, 1e30):             # log Z̃ − log Z far beyond exp's range
         lz = torch.tensor([[0.0, -1e4], [big, 5.0]])
-        D, Dd = GK.distortion(lz, torch.rand(2, 2), torch.randn(2, 2), lz + big, torch.rand(2), GK.Settings())
+        D, Dd = PR.distortion(lz, torch.rand(2, 2), torch.randn(2, 2), lz + big, torch.rand(2), GK.Settings())
         assert torch.isfinite(D).all() and torch.isfinite(Dd).all()
 
 

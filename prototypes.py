@@ -1,0 +1,119 @@
+"""GraceKV's prototypes: what one cache entry standing for a span of tokens is, and how far it
+is from the tokens it replaces (SPEC.md §5; gracekv.py's docstring lists the formulas and every
+[choice]).
+
+A node = a span [a, b) of one unit (layer, KV head) minus the unit's holes. Its prototype:
+key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value ṽ = Σ(R_t+β)v_t / Σ(R_t+β),
+multiplicity m = clamp(n·ħ², 1, n) (logit bias log m). Its distortion D for the probe queries,
+in log space, and D(drop) for keeping nothing. `Context` holds every per-prompt tensor these
+read, stacked over units; gracekv.context builds it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import model as M
+
+
+@dataclass
+class Context:
+    """Every tensor the trees and the greedy read, stacked over units j = l·G + g."""
+    T: int
+    r: int
+    kr: torch.Tensor      # (U, Tc+1, D) un-rotated context keys k° = RoPE⁻¹(k_t, t); row Tc = 0
+    v: torch.Tensor       # (U, Tc+1, D) values; row Tc = 0 (the sentinel padding gathers read)
+    knorm: torch.Tensor   # (U, Tc+1) ‖k°_t‖; row Tc = 0
+    lg: torch.Tensor      # (U, Tc+1, P) log A[u, t]: probe logits minus each probe row's
+                          # logsumexp (so exp = attention mass); row Tc = −inf
+    q: torch.Tensor       # (U, P, D) probe queries
+    c: torch.Tensor       # (U, P) probe rows' logsumexp
+    R: torch.Tensor       # (U, Tc+1) relevance R_t, one row copied to every unit; Σ_t R = 1
+    sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j (extraction salience)
+    omega: torch.Tensor   # (U,) head weight ω
+    kappa: torch.Tensor   # (Tc,) bends
+    slots: list
+    hole: torch.Tensor    # (U, Tc) tokens later nodes leave out: the floor, then extracted leaves
+    inv_freq: torch.Tensor
+    s: object             # gracekv.Settings
+
+    @property
+    def Tc(self) -> int:
+        return self.T - self.r
+
+
+def distortion(logZ, mu2, muv, logZp, v2, s):
+    """D and D(drop) of nodes (N,) from the exact log Z_u, ‖μ_u‖², ⟨μ_u, ṽ⟩ (N, P), μ = M/Z,
+    and the prototype's log Z̃_u (N, P) and ‖ṽ‖² (N,); s: gracekv.Settings (λ_Z, λ_M, ε, log ρ cap).
+
+    D_u = λ_Z (Z − Z̃)²/Z² + λ_M ‖M − M̃‖²/(‖M‖² + ε) with M̃ = Z̃ṽ, written with ρ = Z̃/Z:
+    λ_Z (1 − ρ)² + λ_M ‖μ − ρṽ‖²/(‖μ‖² + ε), log ρ ≤ log_rho_max; probes weighted by mass Z_u."""
+    rho = (logZp - logZ).clamp(max=s.log_rho_max).exp()                     # (N, P) Z̃/Z
+    err = (mu2 - 2 * rho * muv + rho ** 2 * v2[:, None]).clamp(min=0)        # ‖μ − ρṽ‖²
+    Du = s.lambda_z * (1 - rho) ** 2 + s.lambda_m * err / (mu2 + s.eps)
+    Dd = s.lambda_z + s.lambda_m * mu2 / (mu2 + s.eps)                         # ρ = 0: nothing kept
+    w = torch.softmax(logZ, -1)                                               # (N, P) mass weights
+    return (w * Du).sum(-1), (w * Dd).sum(-1)
+
+
+def node_stats(cx: Context, unit, a, b, skip=None) -> dict:
+    """Tightened spans, n, R, D, D(drop) and prototype (key, value, pos, log m) of nodes
+    [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none).
+    Sorted by length, in chunks."""
+    skip = torch.full_like(a, -1) if skip is None else skip
+    length = b - a
+    order = length.argsort()                                                  # short spans together
+    lens, parts, i = length[order].clamp(min=1).tolist(), [], 0
+    cap = max(1, (1 << 21) // cx.lg.shape[2])           # (node, token) pairs per chunk: memory bound
+    while i < len(lens):
+        j = i + 1
+        while j < len(lens) and (j + 1 - i) * lens[j] <= cap:
+            j += 1
+        parts.append(_node_stats(cx, *(x[order[i:j]] for x in (unit, a, b, skip)), lens[j - 1]))
+        i = j
+    inv = order.argsort()
+    return {k: torch.cat([p[k] for p in parts])[inv] for k in parts[0]}
+
+
+def _node_stats(cx: Context, u, a, b, skip, n):
+    """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
+    s, Tc = cx.s, cx.Tc
+    idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
+    mask = (idx < b[:, None]) & (idx != skip[:, None])
+    mask &= ~cx.hole[u[:, None], idx.clamp(max=Tc - 1)]
+    ix = idx.masked_fill(~mask, Tc)                                           # Tc: the sentinel row
+    cnt = mask.sum(1)                                                         # (N,) tokens n
+    first = mask.to(torch.int8).argmax(1)
+    last = n - 1 - mask.flip(1).to(torch.int8).argmax(1)
+    nf = cnt.clamp(min=1).to(cx.kr.dtype)
+    flat = (u[:, None] * (Tc + 1) + ix).view(-1)                              # rows of (U·(Tc+1), ·)
+    rows = lambda x: x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
+    K, V = rows(cx.kr), rows(cx.v)                                            # (N, n, D), 0 outside
+    kbar = K.sum(1) / nf[:, None]                                             # mean k°  (N, D)
+    p = ((idx * mask).sum(1) / nf).round()                                    # rounded mean position
+    key = M.apply_rope(kbar, p, cx.inv_freq)                                  # k̃ = RoPE(mean k°, p̃)
+    hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)           # ħ = ‖mean k°‖/mean‖k°‖
+    logm = (nf * hbar ** 2).clamp(min=1).minimum(nf).log()                   # m = clamp(n ħ², 1, n)
+    Rt = rows(cx.R)                                                           # (N, n), 0 outside
+    w = Rt + s.beta / Tc * mask.to(Rt.dtype)                                  # R_t + β, β = 0.1/Tc
+    val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
+    lg = rows(cx.lg)                                                          # (N, n, P), −inf outside
+    mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)                      # (N, P) log-space shift
+    e = (lg - mx[:, None]).exp_()
+    Z = e.sum(1)                                                              # (N, P)
+    logZ = Z.log() + mx
+    # ‖μ‖² = eᵀ(VVᵀ)e / Z² and ⟨μ, ṽ⟩ = eᵀ(Vṽ) / Z: no (N, P, D) tensor, n²·(D+P) per node
+    mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1) / Z ** 2                    # (N, P)
+    muv = (e * (V @ val[..., None])).sum(1) / Z                               # (N, P)
+    by_unit = u.argsort()                                                     # q_u·k̃ unit by unit
+    counts = torch.bincount(u, minlength=cx.q.shape[0]).tolist()
+    qk = torch.cat([k @ cx.q[j].T for j, k in enumerate(key[by_unit].split(counts)) if len(k)])
+    qk = qk[by_unit.argsort()] / math.sqrt(key.shape[-1])                     # (N, P) q_u·k̃/√D
+    logZp = logm[:, None] + qk - cx.c.index_select(0, u)            # log Z̃ = log m + q·k̃/√D − c
+    D, Dd = distortion(logZ, mu2, muv, logZp, val.pow(2).sum(-1), s)
+    zero = torch.zeros((), dtype=D.dtype, device=D.device)
+    return dict(unit=u, a=a + first, b=a + last + 1, n=cnt, R=Rt.sum(1),
+                D=torch.where(cnt <= 1, zero, D),                            # a leaf is its token
+                Ddrop=torch.where(cnt == 0, zero, Dd), key=key, val=val, pos=p.long(), logm=logm)
