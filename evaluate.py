@@ -17,8 +17,10 @@ continuation token (predicted from the prefill's last logits) on.
 
 Ablations are methods too: `polykv-pattern` (the calibrated rules, uniform budgets),
 `polykv-budget` (the best uniform rule, the calibrated budgets), `polykv-prefill` (the
-calibrated prefill phase, no eviction while decoding) and the `gracekv-*` variants of
-GRACE (gracekv.Settings overrides). Each row records its compression time (`compress_s`) and
+calibrated prefill phase, no eviction while decoding) and the `gracekv-*` variants
+(gracekv.VARIANTS, Settings overrides). Every method is a methods.Method: the harness builds
+each once (`Methods`), runs one shared prefill observing the union of their needs, compresses
+each method once and decodes forks of its cache with the method's decoder. Each row records its compression time (`compress_s`) and
 the shared prefill's (`prefill_s`).
 
 Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
@@ -37,21 +39,20 @@ from pathlib import Path
 
 import torch
 
+import gracekv
+import methods as MT
 import metrics
 import model as M
 import polykv as P
 import report
+import rules
 import tasks as TK
-from model import UsageError
+from errors import UsageError
 
-UNIFORM = P.RULES   # full, streaming, h2o, tova, snapkv, pyramidkv, random
-# GraceKV and its ablations (gracekv.Settings overrides): which part buys what
-GRACE = {"gracekv": {},
-         "gracekv-floor": {"floor_frac": 1.0},     # no trees: every entry an exact token chosen by ω·R
-         "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
-         "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
-         "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0}}   # value flow without propagation
-METHODS = UNIFORM + ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill") + tuple(GRACE)
+# FullKV, every registered rule (rules.RULES) and PyramidKV's schedule
+UNIFORM = ("full",) + tuple(name for name in rules.RULES if name != "random") + ("pyramidkv", "random")
+POLYKV = ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill")
+METHODS = UNIFORM + POLYKV + tuple(gracekv.VARIANTS)
 DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
 # full cache at the default length (README: measured FullKV scores and why the others are out)
@@ -71,10 +72,11 @@ class Item:
     target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
 
 
-def teacher_force(model, cache, target) -> torch.Tensor:
-    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32; the first row is the prefill's."""
+def teacher_force(model, cache, target, decoder=None) -> torch.Tensor:
+    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32; the first row is the prefill's.
+    decoder: the method's decode-time eviction (None = append)."""
     first = cache.last_logits[:, None]                                        # (1, 1, V)
-    rest = M.decode(model, target[:, :-1], cache) if target.shape[1] > 1 else first[:, :0]
+    rest = M.decode(model, target[:, :-1], cache, decoder) if target.shape[1] > 1 else first[:, :0]
     return torch.log_softmax(torch.cat((first, rest), 1)[0].float(), -1)     # (n, V)
 
 
@@ -89,12 +91,12 @@ def compare(ref_lp, lp, target) -> dict:
 
 
 class Methods:
-    """Turns a method name + budget into a compressed cache from one shared FullKV prefill."""
+    """Turns a method name + budget into a methods.Method (built once, then reused)."""
 
     def __init__(self, model, tok, args):
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
-        self.policies = {}
+        self.policies, self.made = {}, {}
 
     def calibrated(self, budget):
         """--policy FILE (rescaled to each budget), else one calibration per budget, cached."""
@@ -111,90 +113,57 @@ class Methods:
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
-    def best_uniform(self, budget):
-        """The best single rule on the calibration set (recorded by calibrate.py)."""
-        return self.calibrated(budget).meta.get("best_uniform", "snapkv")
+    def get(self, name, budget) -> MT.Method:
+        if (name, budget) not in self.made:
+            self.made[name, budget] = self.make(name, budget)
+        return self.made[name, budget]
 
-    def policy(self, method, budget, T) -> P.Policy:
-        if method == "pyramidkv":
-            return P.Policy.pyramid(budget, self.L, T)
-        if method in UNIFORM:
-            return P.Policy.uniform(method, budget, self.L)
-        if method == "polykv":
-            return self.calibrated(budget)
+    def make(self, name, budget) -> MT.Method:
+        if name == "pyramidkv":
+            return P.Pyramid(budget)
+        if name in UNIFORM:
+            return P.Policy.uniform(name, budget, self.L)
+        if name in gracekv.VARIANTS:
+            return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
         import calibrate
-        if method == "polykv-pattern":
-            return calibrate.pattern_only(self.calibrated(budget))
-        if method == "polykv-prefill":
-            return calibrate.prefill_only(self.calibrated(budget))
-        return calibrate.budget_only(self.calibrated(budget), self.best_uniform(budget))
-
-    def compressor(self, method, budget, T):
-        """(full, stats) -> compressed cache for one method and budget. Its policy is resolved
-        here (PolyKV: calibrated or loaded once), so a call costs only the compression."""
-        if method in GRACE:
-            import gracekv
-            s = gracekv.Settings(**GRACE[method])
-            return lambda full, stats: gracekv.compress(self.model, full, stats["gracekv"], budget, s)
-        policy = self.policy(method, budget, T)
-        return lambda full, stats: P.compress(full, stats["polykv"], policy)
-
-
-def observe(model, tokens, methods):
-    """The one shared prefill: FullKV cache + every statistic the methods need.
-
-    Its post-kernel hook fans out to the rules' statistics (polykv) and to GraceKV's observer."""
-    L, s = model.config.n_layers, P.RuleSettings()
-    needs = [{"colsum", "window", "last"}] * L
-    stats = [dict() for _ in range(L)]
-    gk_hook = gk_stats = None
-    if any(n in GRACE for n in methods):
-        import gracekv
-        gk_hook, gk_stats = gracekv.observer(model, gracekv.Settings())
-
-    def post_kernel(layer, q, q_pos, lc, out):
-        stats[layer] = P.attention_stats(q, q_pos, lc, needs[layer], s)
-        if gk_hook is not None:
-            gk_hook(layer, q, q_pos, lc, out)
-    cache = M.prefill(model, tokens, M.Hooks(post_kernel=post_kernel))
-    return cache, {"polykv": stats, "gracekv": gk_stats}
+        pol = self.calibrated(budget)
+        if name == "polykv":
+            return pol
+        if name == "polykv-pattern":
+            return calibrate.pattern_only(pol)
+        if name == "polykv-prefill":
+            return calibrate.prefill_only(pol)
+        return calibrate.budget_only(pol, pol.meta.get("best_uniform", "snapkv"))
 
 
 def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
     """All (method, budget) results of one item not in done, as dicts."""
     T = item.tokens.shape[1]
+    todo = [(n, b) for b in budgets for n in names if result_key(n, b, item) not in done]
+    made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
     t0 = time.perf_counter()
-    full, stats = observe(model, item.tokens, names)
+    full, obs = MT.observe_for(model, item.tokens, list(made.values()))
     t_p = time.perf_counter() - t0
     ref_lp = teacher_force(model, full.fork(), item.target) if item.target is not None else None
     L, G = model.config.n_layers, model.config.n_kv_heads
     out = []
-    for budget in budgets:
-        for name in names:
-            key = result_key(name, budget, item)
-            if key in done:
-                continue
-            compress = methods.compressor(name, budget, T)
-            t0 = time.perf_counter()
-            cache = compress(full, stats)
-            t_c = time.perf_counter() - t0
-            r = {"key": key, "method": name, "budget": budget, "task": item.task,
-                 "length": item.length, "index": item.index, "n_tokens": T,
-                 "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4),
-                 "prefill_s": round(t_p, 4)}   # the shared prefill + every method's statistics
-            if item.target is not None:
-                # a cache without decode hooks is reused through a fork; one whose hooks evict
-                # during decoding (stateful) is compressed again for the greedy answer
-                once = cache.fork() if cache.hooks is None else cache
-                r.update(compare(ref_lp, teacher_force(model, once, item.target), item.target))
-            if item.sample is not None:
-                if item.target is not None and cache.hooks is not None:
-                    cache = compress(full, stats)
-                ids = M.greedy(model, cache, min(item.sample.max_new_tokens, methods.args.max_new_tokens),
-                               tok.eos_ids)
-                r["pred"] = tok.decode(ids)
-                r["score"] = metrics.score(item.sample, r["pred"])
-            out.append(r)
+    for (name, budget), method in made.items():
+        t0 = time.perf_counter()
+        cache = method.compress(model, full, obs)
+        t_c = time.perf_counter() - t0
+        r = {"key": result_key(name, budget, item), "method": name, "budget": budget,
+             "task": item.task, "length": item.length, "index": item.index, "n_tokens": T,
+             "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4),
+             "prefill_s": round(t_p, 4)}   # the shared prefill + every method's statistics
+        if item.target is not None:
+            r.update(compare(ref_lp, teacher_force(model, cache.fork(), item.target, method.decoder),
+                             item.target))
+        if item.sample is not None:
+            ids = M.greedy(model, cache.fork(), min(item.sample.max_new_tokens, methods.args.max_new_tokens),
+                           tok.eos_ids, method.decoder)
+            r["pred"] = tok.decode(ids)
+            r["score"] = metrics.score(item.sample, r["pred"])
+        out.append(r)
     return out
 
 

@@ -58,25 +58,29 @@ prompt with T ≤ B is returned uncompressed (FullKV). One prompt at a time (bat
   its prototype, and a budget ≥ T ends in all leaves = FullKV); an action costing more than what
   is left is dropped. Heap ties: earlier pushed first. Mean positions round half to even.
 
-Files: the prototype of a node and its distortion (and the per-prompt Context they read) are in
-prototypes.py; the rest is here.
+Files: steps 1-4 (probes, head weights ω, value flow R, slots), the floor and the method are
+here, in the write-up's order; a node's prototype and distortion are in prototypes.py; the
+budget flow (step 5: the greedy, the cache it assembles) is in budgetflow.py.
 
 Cost: the observation recomputes each layer's attention once, in query chunks, for the hops
 (skipped when hops = 0); nodes are evaluated lazily, batched over all units (see `allocate`).
 """
 from __future__ import annotations
 
-import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 
+import methods
 import model as M
-from model import Cache, Hooks, LayerCache, UsageError
-from prototypes import Context, node_stats
+from cache import Cache
+from errors import UsageError
+from methods import Flow
+from budgetflow import allocate, assemble, picture  # noqa: F401  (step 5; picture: README API)
+from prototypes import Units
 
 
 @dataclass(frozen=True)
@@ -109,50 +113,16 @@ class Settings:
 
 # ----------------------------------------------------------------------------- observation
 
-@dataclass
-class Stats:
-    """What GraceKV keeps from the full prefill, per layer (never a whole (H, T, T) map)."""
-    window: int
-    probes: list = field(default_factory=list)  # [(H, r, D)] post-RoPE queries of the last r tokens
-    flow: list = field(default_factory=list)    # [(hops+1, G, T)] x^0 = s (first hop), x^k = x^{k−1}·Ā
-
-
-def observer(model, s: Settings):
-    """A post-kernel hook and the Stats it fills (to share one prefill with other methods)."""
-    cfg = model.config
-    st = Stats(s.window, [None] * cfg.n_layers, [None] * cfg.n_layers)
-
-    def post_kernel(layer, q, q_pos, lc, out):
-        _, H, T, D = q.shape
-        G, r = lc.k.shape[1], min(s.window, T)
-        qq, kk = q[0].reshape(G, H // G, T, D), lc.k[0]          # (G, g, T, D), (G, T, D)
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-        x = q.new_zeros(s.hops + 1, G, T, dtype=acc)
-        seed = torch.zeros(T, dtype=acc, device=q.device)
-        seed[T - r:] = 1.0                                       # the probe rows u ∈ U
-        # Rows in descending chunks: x^k_i = Σ_{j ≥ i} x^{k−1}_j Ā[j, i] is complete for the
-        # chunk's rows once the chunk is added, so all hops take one pass over A (causal).
-        for c1 in range(T, 0, -s.chunk):
-            if s.hops == 0 and c1 <= T - r:
-                break                                            # x^0 needs the probe rows only
-            c0 = max(0, c1 - s.chunk)
-            lg = (qq[:, :, c0:c1].to(acc) @ kk[:, None, :c1].to(acc).transpose(-1, -2)) / math.sqrt(D)
-            tri = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=q.device).triu_(1)
-            lg[..., c0:].masked_fill_(tri, float("-inf"))         # (G, g, c, c1) causal
-            A = torch.softmax(lg, -1).mean(1)                     # (G, c, c1) group mean Ā
-            prev = seed[c0:c1].expand(G, -1)                      # (G, c)
-            for k in range(s.hops + 1):
-                x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]      # x^k += x^{k−1}[rows] Ā[rows]
-                prev = x[k, :, c0:c1]
-        st.probes[layer], st.flow[layer] = q[0, :, T - r:].contiguous().clone(), x
-    return post_kernel, st
+def flow_needs(s: Settings) -> methods.FlowNeeds:
+    """What GraceKV observes during the prefill: the probes and the value flow (methods.value_flow)."""
+    return methods.FlowNeeds(s.window, s.hops, s.chunk)
 
 
 @torch.no_grad()
 def observe(model, tokens, settings: Optional[Settings] = None):
-    """Full prefill of tokens (1, T) with GraceKV's hook: (FullKV cache, Stats)."""
-    hook, st = observer(model, settings or Settings())
-    return M.prefill(model, tokens, Hooks(post_kernel=hook)), st
+    """Full prefill of tokens (1, T) observing GraceKV's probes and flow: (FullKV cache, Flow)."""
+    full, obs = methods.observe(model, tokens, methods.Needs(flow=flow_needs(settings or Settings())))
+    return full, obs.flow
 
 
 # ----------------------------------------------------------------------------- slots
@@ -185,228 +155,117 @@ def segment(kappa: torch.Tensor, Tc: int, s: Settings) -> list:
 
 # ----------------------------------------------------------------------------- per-prompt context
 
-def context(model, full: Cache, stats: Stats, r: int, s: Settings) -> Context:
-    """Probe logits, value flow R, head weights ω, bends and slots for one prompt (batch 1)."""
+@dataclass
+class Context:
+    """One prompt's GraceKV state: the units' tensors and the paper's per-prompt quantities."""
+    T: int
+    r: int                # the exact recent window; Tc = T − r context tokens
+    units: Units          # what prototypes are made from (prototypes.py)
+    sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j of each unit (extraction salience)
+    omega: torch.Tensor   # (U,) head weight ω
+    kappa: torch.Tensor   # (Tc,) bends of the hidden-state trajectory
+    slots: list           # [(a, b)] the context's slots
+    s: Settings
+
+    @property
+    def Tc(self) -> int:
+        return self.T - self.r
+
+
+def probes(model, full: Cache, flow: Flow, acc):
+    """Step 1, probe queries U (the last r tokens, all g heads of each group) per unit:
+    q (U, P, D), their causal logits over every key lg (U, P, T) and the rows' logsumexp c (U, P)."""
     cfg = model.config
-    G, H, D, T = cfg.n_kv_heads, cfg.n_heads, cfg.head_dim, full.layers[0].k.shape[2]
-    g, Tc, rp = H // G, T - r, stats.probes[0].shape[1]
-    acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
+    G, g, D, T = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, full.layers[0].k.shape[2]
+    rp = flow.probes[0].shape[1]
     pos = torch.arange(T, device=full.layers[0].k.device)
-    pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)     # the sentinel row Tc
-    kr, vs, lgs, qs, cs, omega = [], [], [], [], [], []
+    qs, lgs = [], []
     for l, lc in enumerate(full.layers):
-        k, v = lc.k[0].to(acc), lc.v[0].to(acc)                      # (G, T, D)
-        q = stats.probes[l].to(acc).reshape(G, g * rp, D)            # (G, P, D) probes (h, u) of group g
-        lg = (q @ k.transpose(1, 2)) / math.sqrt(D)                  # (G, P, T)
-        lg = lg.masked_fill(pos > pos[T - rp:].repeat(g)[:, None], float("-inf"))  # causal rows
-        c = lg.logsumexp(-1)                                         # (G, P)
-        out = torch.softmax(lg, -1) @ v                              # (G, P, D) head outputs
-        # ω = √(a·b): a = ‖W_O slice‖_F, b = mean_u ‖Σ_{h∈group} W_O,h out_{h,u}‖
+        q = flow.probes[l].to(acc).reshape(G, g * rp, D)             # (G, P, D) probes (h, u) of group g
+        lg = (q @ lc.k[0].to(acc).transpose(1, 2)) / math.sqrt(D)    # (G, P, T)
+        lgs.append(lg.masked_fill(pos > pos[T - rp:].repeat(g)[:, None], float("-inf")))  # causal rows
+        qs.append(q)
+    lg = torch.cat(lgs)                                              # (U, P, T)
+    return torch.cat(qs), lg, lg.logsumexp(-1)
+
+
+def head_weights(model, full: Cache, lg, acc) -> torch.Tensor:
+    """Step 2, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
+    b = mean over probes of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads' attention outputs)."""
+    cfg = model.config
+    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    omega = []
+    for l, lc in enumerate(full.layers):
+        out = torch.softmax(lg[l * G:(l + 1) * G], -1) @ lc.v[0].to(acc)   # (G, P, D) head outputs
         Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)  # (dim, G, g, D)
         a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
-        b = torch.einsum("mghd,ghud->gum", Wo, out.view(G, g, rp, D)).norm(dim=-1).mean(1)
+        b = torch.einsum("mghd,ghud->gum", Wo, out.view(G, g, -1, D)).norm(dim=-1).mean(1)
         omega.append((a * b).sqrt())
-        kr.append(pad(M.apply_rope(k[:, :Tc], -pos[:Tc], model.inv_freq)))   # (G, Tc+1, D) k°
-        vs.append(pad(v[:, :Tc]))
-        lgs.append(pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf))  # (G, Tc+1, P)
-        qs.append(q)
-        cs.append(c)
-    # value flow: ŝ_j, d̂_j normalised over the context; R = (1−λ)·mean_j ŝ_j + λ·mean_j d̂_j
-    x = torch.stack(stats.flow).to(acc)[..., :Tc]                   # (L, hops+1, G, Tc)
+    return torch.cat(omega)
+
+
+def relevance(flow: Flow, Tc: int, s: Settings):
+    """Step 3, value flow: ŝ_j, d̂_j normalised over the context per unit (U, Tc);
+    R = (1−λ_graph)·mean_units ŝ_j + λ_graph·mean_units d̂_j, one row (Tc,) shared by every
+    unit, with d = Σ_{k=1..hops} decay^(k−1)·x^k. Returns (R, ŝ)."""
+    x = torch.stack(flow.flow)[..., :Tc]                             # (L, hops+1, G, Tc)
     unit = lambda y: y.reshape(-1, Tc) / y.reshape(-1, Tc).sum(-1, keepdim=True).clamp(min=1e-300)
-    s_hat = unit(x[:, 0])                                           # (U, Tc)
+    s_hat = unit(x[:, 0])                                            # (U, Tc)
     d_hat = unit(sum(s.decay ** (k - 1) * x[:, k] for k in range(1, s.hops + 1)) if s.hops else x[:, 0])
-    R = (1 - s.lambda_graph) * s_hat.mean(0) + s.lambda_graph * d_hat.mean(0)   # (Tc,)
-    R = F.pad(R, (0, 1)).expand(len(s_hat), -1).contiguous()        # (U, Tc+1)
-    # slots: bends of the layer-L/2 trajectory h_t = [k°_t/‖k°_t‖, v_t/‖v_t‖] over heads
-    lb = cfg.n_layers // 2 if s.bend_layer is None else s.bend_layer
-    kb = M.apply_rope(full.layers[lb].k[0].to(acc), -pos, model.inv_freq)   # (G, T, D)
-    h = torch.cat((F.normalize(kb, dim=-1), F.normalize(full.layers[lb].v[0].to(acc), dim=-1)), -1)
-    kappa = bends(h.transpose(0, 1).reshape(T, -1), s.bend_width)[:Tc]      # (Tc,)
-    kr = torch.cat(kr)                                              # (U, Tc+1, D)
-    hole = torch.zeros(len(kr), Tc, dtype=torch.bool, device=pos.device)
-    return Context(T, r, kr, torch.cat(vs), kr.norm(dim=-1), torch.cat(lgs), torch.cat(qs),
-                   torch.cat(cs), R, s_hat, torch.cat(omega), kappa, segment(kappa, Tc, s), hole,
-                   model.inv_freq, s)
+    return (1 - s.lambda_graph) * s_hat.mean(0) + s.lambda_graph * d_hat.mean(0), s_hat
 
 
-# ----------------------------------------------------------------------------- budget flow
-
-@dataclass
-class Plan:
-    """The forest as far as it was explored, and the greedy's trace.
-
-    Node i: unit[i], span [a[i], b[i]) minus the unit's holes when it was made (floor tokens,
-    tokens extracted from its ancestors), n[i] tokens, R[i], D[i]; roots have
-    add_gain; evaluated nodes have split (gain, cost, children). steps: (kind, node, gain, cost)."""
-    B_alloc: int
-    nodes: dict = field(default_factory=lambda: {k: [] for k in
-                        ("unit", "a", "b", "n", "R", "D", "Ddrop", "key", "val", "pos", "logm")})
-    add_gain: dict = field(default_factory=dict)
-    split: dict = field(default_factory=dict)     # node -> (gain, cost, [children])
-    steps: list = field(default_factory=list)
-    frontier: set = field(default_factory=set)    # nodes in the cache at the end
-    floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
-    slots: list = field(default_factory=list)     # [(a, b)] the context's slots
-
-    def new(self, st: dict, rows) -> list:
-        first = len(self.nodes["unit"])
-        for k, lst in self.nodes.items():
-            lst.extend(st[k][rows].tolist() if st[k].dim() == 1 else st[k][rows].unbind(0))
-        return list(range(first, len(self.nodes["unit"])))
+def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
+    """Step 4, bends κ (Tc,) of the layer-L/2 trajectory h_t = [k°_t/‖k°_t‖, v_t/‖v_t‖] over
+    heads (the cache's un-rotated keys and values: a linear image of the hidden state)."""
+    lb = model.config.n_layers // 2 if s.bend_layer is None else s.bend_layer
+    lc = full.layers[lb]
+    T = lc.k.shape[2]
+    pos = torch.arange(T, device=lc.k.device)
+    kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)         # (G, T, D)
+    h = torch.cat((F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1)
+    return bends(h.transpose(0, 1).reshape(T, -1), s.bend_width)[:Tc]
 
 
-def evaluate(cx: Context, plan: Plan, ids: list):
-    """Best split of each node: bisection at the highest κ in its central half, or extraction of
-    its most salient token t as an exact leaf, the node minus t standing for the rest (t becomes
-    a hole of the unit, so every later node of that unit, all inside this one, leaves it out).
-    Both cost one entry; the larger gain wins (ties: bisection)."""
-    nd = plan.nodes
-    u, a, b = (torch.tensor([nd[k][i] for i in ids], device=cx.kr.device) for k in ("unit", "a", "b"))
-    L = b - a
-    n = int(L.max())
-    idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
-    idc = idx.clamp(max=cx.Tc - 1)
-    q = (L // 4).clamp(min=1)[:, None]
-    central = (idx >= a[:, None] + q) & (idx <= b[:, None] - q)
-    c = a + cx.kappa[idc].masked_fill(~central, float("-inf")).argmax(1)       # bisection point
-    ok = (idx < b[:, None]) & ~cx.hole[u[:, None], idc]
-    t = a + cx.sal[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)  # most salient token
-    none = torch.full_like(a, -1)
-    # candidate children (4, N): [a,c), [c,b) | [a,b) ∖ {t}, {t}
-    st = node_stats(cx, u.repeat(4), torch.cat((a, c, a, t)), torch.cat((c, b, b, t + 1)),
-                    torch.cat((none, none, t, none)))
-    RD = (st["R"] * st["D"]).view(4, -1)                                      # (4, N)
-    valid = (st["n"] > 0).view(4, -1)
-    RDv = torch.tensor([nd["R"][i] * nd["D"][i] for i in ids], device=a.device, dtype=RD.dtype)
-    om = cx.omega[u]
-    # Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1 = 1 (the leaf has D = 0)
-    g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - RD[2])
-    use_ext = g_ext > g_bis                                                   # ties: bisection
-    cx.hole[u[use_ext], t[use_ext]] = True
-    gain = torch.where(use_ext, g_ext, g_bis).tolist()
-    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (4, N) children rows
-    ik = pick.T.nonzero()                                                     # (node, candidate) pairs
-    kids = plan.new(st, ik[:, 1] * len(ids) + ik[:, 0])
-    start = 0
-    for node, gv, nk in zip(ids, gain, pick.sum(0).tolist()):
-        plan.split[node] = (gv, nk - 1, kids[start:start + nk])
-        start += nk
-
-
-def allocate(cx: Context, B_alloc: int) -> Plan:
-    """Budget flow: a global max-heap over add(root) and split(added node) by gain per entry.
-
-    Δ_add(root) = ω·R·(D_drop − D(root)), cost 1. Nodes are evaluated lazily, in batches: before
-    an action is applied, the nodes it brings into the cache (and those of the next `prefetch`
-    best actions) get their best split, so every available action is known when it competes.
-    Extractions mark holes in cx.hole: one Context serves one allocate call."""
-    plan = Plan(B_alloc, floor=cx.hole.clone(), slots=cx.slots)   # floor = holes before the greedy
-    roots = [(j, a, b) for j in range(cx.kr.shape[0]) for a, b in cx.slots]
-    if roots:
-        u, a, b = (torch.tensor(x, device=cx.kr.device) for x in zip(*roots))
-        st = node_stats(cx, u, a, b)
-        keep = (st["n"] > 0).nonzero()[:, 0]
-        gain = (cx.omega[st["unit"]] * st["R"] * (st["Ddrop"] - st["D"]))[keep].tolist()
-        plan.add_gain = dict(zip(plan.new(st, keep), gain))
-    heap = [(-g, i, "add", i) for i, g in plan.add_gain.items()]   # (−gain/cost, tie, kind, node)
-    heapq.heapify(heap)
-    n, spent, tie = plan.nodes["n"], 0, len(heap)
-
-    def entering(kind, v):      # unevaluated splittable nodes an action brings into the cache
-        new = [v] if kind == "add" else plan.split[v][2]
-        return [c for c in new if n[c] > 1 and c not in plan.split]
-
-    while heap and spent < B_alloc:
-        if entering(*heap[0][2:]):
-            # evaluate what the next `prefetch` actions bring in, then, for nodes whose own split
-            # ranks above the prefetch-th action, their children too (they will be needed first)
-            top = heapq.nsmallest(cx.s.prefetch, heap)
-            tau, done = -top[-1][0], 0
-            todo = {c for e in top for c in entering(*e[2:])}
-            while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead
-                evaluate(cx, plan, sorted(todo))
-                done += len(todo)
-                todo = {c for v in todo if plan.split[v][0] / plan.split[v][1] >= tau
-                        for c in entering("split", v)}
-        _, _, kind, v = heapq.heappop(heap)
-        gain, cost, kids = (plan.add_gain[v], 1, [v]) if kind == "add" else plan.split[v]
-        if spent + cost > B_alloc:
-            continue                                                          # never affordable again
-        spent += cost
-        plan.steps.append((kind, v, gain, cost))
-        if kind == "split":
-            plan.frontier.remove(v)
-        plan.frontier.update(kids)
-        for c in kids:
-            if n[c] > 1:
-                sg, sc, _ = plan.split[c]
-                tie += 1
-                heapq.heappush(heap, (-sg / sc, tie, "split", c))
-    return plan
-
-
-# ----------------------------------------------------------------------------- cache
-
-def assemble(cx: Context, full: Cache, plan: Plan) -> Cache:
-    """Per unit: floor tokens, window and frontier leaves exact (bias 0), prototypes with bias
-    log m; sorted by position; a layer's heads padded to one size (bias −inf, pos −1)."""
-    nd, G, Tc = plan.nodes, full.layers[0].k.shape[1], cx.Tc
-    mine = [[] for _ in range(cx.kr.shape[0])]
-    for i in sorted(plan.frontier):
-        mine[nd["unit"][i]].append(i)
-    dev, layers = cx.kr.device, []
-    for l, lc in enumerate(full.layers):
-        heads = []
-        for g in range(G):
-            j = l * G + g
-            protos = [i for i in mine[j] if nd["n"][i] > 1]
-            leaves = [nd["a"][i] for i in mine[j] if nd["n"][i] == 1]
-            ex = sorted(plan.floor[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
-            ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
-            k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], ex, lc.bias[0, g, ex]
-            if protos:
-                k = torch.cat((k, torch.stack([nd["key"][i] for i in protos]).to(k.dtype)))
-                v = torch.cat((v, torch.stack([nd["val"][i] for i in protos]).to(v.dtype)))
-                pos = torch.cat((pos, torch.tensor([nd["pos"][i] for i in protos], device=dev)))
-                logm = torch.tensor([nd["logm"][i] for i in protos], device=dev, dtype=bias.dtype)
-                bias = torch.cat((bias, logm))                               # log m: m tokens' mass
-            o = pos.argsort(stable=True)
-            heads.append((k[o], v[o], pos[o], bias[o]))
-        S = max(len(h[2]) for h in heads)
-        pad = lambda x, val: torch.cat((x, x.new_full((S - len(x), *x.shape[1:]), val)))
-        k, v, pos, bias = (torch.stack([pad(h[i], val) for h in heads])[None]
-                           for i, val in enumerate((0.0, 0.0, -1, float("-inf"))))
-        layers.append(LayerCache(k, v, pos, bias))                            # (1, G, S, ·)
-    return Cache(layers, full.next_pos, full.last_logits)
-
-
-def picture(plan: Plan, unit: int, Tc: int) -> list:
-    """One unit's cache as text, a line per slot and a character per context token:
-    'F' floor token, 'x' exact leaf of the tree, a letter per prototype (the tokens it stands
-    for), '.' dropped. The recent
-    window (exact) is not drawn."""
-    nd, row = plan.nodes, ["."] * Tc
-    mine = sorted((nd["a"][i], i) for i in plan.frontier if nd["unit"][i] == unit)
-    leaves = {nd["a"][i] for _, i in mine if nd["n"][i] == 1}
-    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
-    for k, (_, i) in enumerate([e for e in mine if nd["n"][e[1]] > 1]):
-        for t in range(nd["a"][i], nd["b"][i]):
-            if not plan.floor[unit, t] and t not in leaves:
-                row[t] = letters[k % len(letters)]
-    for t in leaves:
-        row[t] = "x"
-    for t in plan.floor[unit].nonzero()[:, 0].tolist():
-        row[t] = "F"
-    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
+def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
+    """The paper's per-prompt steps, in order, for one prompt (batch 1): probes, head weights
+    ω, value flow R, slots; and the units' un-rotated keys, values and probe log-masses."""
+    T = full.layers[0].k.shape[2]
+    Tc = T - r
+    acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
+    q, lg, c = probes(model, full, flow, acc)                       # (U, P, D), (U, P, T), (U, P)
+    omega = head_weights(model, full, lg, acc)                       # (U,)
+    R, s_hat = relevance(flow, Tc, s)                                # (Tc,), (U, Tc)
+    kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
+    pos = torch.arange(T, device=q.device)
+    pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
+    kr = torch.cat([pad(M.apply_rope(lc.k[0, :, :Tc].to(acc), -pos[:Tc], model.inv_freq))
+                    for lc in full.layers])                          # (U, Tc+1, D) k°
+    units = Units(kr=kr, v=torch.cat([pad(lc.v[0, :, :Tc].to(acc)) for lc in full.layers]),
+                  knorm=kr.norm(dim=-1),
+                  lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
+                  q=q, c=c, R=F.pad(R, (0, 1)).expand(len(kr), -1).contiguous(),      # (U, Tc+1)
+                  hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
+                  inv_freq=model.inv_freq, s=s)
+    return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
+                   slots=segment(kappa, Tc, s), s=s)
 
 
 # ----------------------------------------------------------------------------- API
 
+def singleton_floor(cx: Context, n_floor: int):
+    """The singleton floor: the n_floor highest ω_j·R_t (unit, token) pairs, one ranking over
+    all units (ties to the later token), become exact entries — holes in their units' trees."""
+    Tc = cx.Tc
+    score = (cx.omega[:, None] * cx.units.R[:, :Tc]).flip(-1).reshape(-1)   # (U·Tc,)
+    top = score.sort(descending=True, stable=True).indices[:n_floor]
+    cx.units.hole[top // Tc, Tc - 1 - top % Tc] = True
+
+
 @torch.no_grad()
-def compress(model, full: Cache, stats: Stats, budget: int, settings: Optional[Settings] = None,
+def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Settings] = None,
              return_plan: bool = False):
-    """A new GraceKV cache from a FullKV prefill `full` of one prompt and its Stats (observe).
+    """A new GraceKV cache from a FullKV prefill `full` of one prompt and its Flow (observe).
 
     At most U·budget real entries; `full` is left untouched (several methods share it)."""
     s = settings or Settings()
@@ -415,8 +274,8 @@ def compress(model, full: Cache, stats: Stats, budget: int, settings: Optional[S
         raise UsageError(f"budget must be >= 1, got {budget}")
     if B != 1:
         raise UsageError(f"gracekv compresses one prompt at a time, got a batch of {B}")
-    if stats.window != s.window:
-        raise UsageError(f"stats observed with window {stats.window}, settings say {s.window}")
+    if flow.window != s.window:
+        raise UsageError(f"flow observed with window {flow.window}, settings say {s.window}")
     dev, G = full.layers[0].k.device, full.layers[0].k.shape[1]
     plan = None
     if T <= budget:                                                           # identity: FullKV
@@ -425,14 +284,10 @@ def compress(model, full: Cache, stats: Stats, budget: int, settings: Optional[S
         idx = torch.arange(T - budget, T, device=dev).expand(1, G, budget)    # (1, G, B)
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
-        cx = context(model, full, stats, s.window, s)
-        U, Tc = cx.kr.shape[0], cx.Tc
-        spare = U * (budget - s.window)                                       # B_total − U·r
+        cx = context(model, full, flow, s.window, s)
+        spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r
         n_floor = int(s.floor_frac * spare)
-        # singleton floor: the n_floor highest ω_j·R_t (unit, token) pairs, ties to the later token
-        score = (cx.omega[:, None] * cx.R[:, :Tc]).flip(-1).reshape(-1)         # (U·Tc,)
-        top = score.sort(descending=True, stable=True).indices[:n_floor]
-        cx.hole[top // Tc, Tc - 1 - top % Tc] = True
+        singleton_floor(cx, n_floor)
         plan = allocate(cx, spare - n_floor)
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
@@ -441,19 +296,37 @@ def compress(model, full: Cache, stats: Stats, budget: int, settings: Optional[S
 @torch.no_grad()
 def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> Cache:
     """Full prefill of tokens (1, T), then GraceKV compression to `budget` entries per unit."""
-    if budget < 1:
-        raise UsageError(f"budget must be >= 1, got {budget}")
-    if tokens.shape[1] <= budget:
-        return M.prefill(model, tokens)
-    full, stats = observe(model, tokens, settings)
-    return compress(model, full, stats, budget, settings)
+    return GraceKV(budget, settings).prefill(model, tokens)
+
+
+# the harness's GraceKV rows (evaluate.py --methods): Settings overrides, which part buys what
+VARIANTS = {"gracekv": {},
+            "gracekv-floor": {"floor_frac": 1.0},     # no trees: every entry an exact token chosen by ω·R
+            "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
+            "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
+            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0}}   # value flow without propagation
 
 
 @dataclass
-class GraceKV:
-    """`model.generate(m, tok, prompt, GraceKV(128))`: compress once, then append (no decode hooks)."""
+class GraceKV(methods.Method):
+    """GraceKV as a method: observes the probes and value flow, compresses once, then appends
+    (no decode-time eviction). `model.generate(m, tok, prompt, GraceKV(128))`."""
     budget: int
     settings: Optional[Settings] = None
 
+    def __post_init__(self):
+        if self.budget < 1:
+            raise UsageError(f"budget must be >= 1, got {self.budget}")
+        self.settings = self.settings or Settings()
+
+    def needs(self, model) -> methods.Needs:
+        return methods.Needs(flow=flow_needs(self.settings))
+
+    def compress(self, model, full: Cache, obs: methods.Observation) -> Cache:
+        return compress(model, full, obs.flow, self.budget, self.settings)
+
+    @torch.no_grad()
     def prefill(self, model, tokens) -> Cache:
-        return prefill(model, tokens, self.budget, self.settings)
+        if tokens.shape[1] <= self.budget:       # nothing to compress: skip the observation
+            return M.prefill(model, tokens)
+        return super().prefill(model, tokens)

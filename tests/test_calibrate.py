@@ -113,15 +113,15 @@ def test_allocate_errors():
 def naive_probe(m, prompt, cont, layer, pre, dec):
     """Independent of calibrate's fast path: a fresh polykv.prefill, then the whole model over
     the continuation (model.decode, token by token when the decode rule evicts)."""
-    cache = P.prefill(m, prompt, C.probe_policy(m.config.n_layers, layer, pre, dec, B, SET))
+    pol = C.probe_policy(m.config.n_layers, layer, pre, dec, B, SET)
+    cache = P.prefill(m, prompt, pol)
     seen = []
     spy = lambda l, q, q_pos, lc, out: seen.append(out) if l == layer else None
-    dh = cache.hooks
+    dh = pol.decoder
     if dh is None:
         logits = m.step(cont, cache, M.Hooks(post_kernel=spy))
     else:
-        cache.hooks = M.Hooks(post_kernel=lambda *a: (dh.post_kernel(*a), spy(*a)), cache_update=dh.cache_update)
-        logits = M.decode(m, cont, cache)
+        logits = M.decode(m, cont, cache, M.Hooks(post_kernel=spy, cache_update=dh.cache_update))
     return torch.cat(seen, 2), float(F.cross_entropy(logits[0, :-1], cont[0, 1:], reduction="sum"))
 
 
@@ -159,7 +159,8 @@ def test_signals_equal_naive_probes(seed):
     for r in C.POOL:                          # uniform baselines: a fresh prefill + model.decode
         nll = 0.0
         for p, c in pairs:
-            logits = M.decode(m, c, P.prefill(m, p, P.Policy.uniform(r, B, L, settings=SET)))
+            uni = P.Policy.uniform(r, B, L, settings=SET)
+            logits = M.decode(m, c, uni.prefill(m, p), uni.decoder)
             nll += float(F.cross_entropy(logits[0, :-1], c[0, 1:], reduction="sum"))
         assert sig["uniform_dppl"][r] == pytest.approx(ppl(nll) - ppl_full, abs=tol)
     best = C.build(sig, B, settings=SET, cap=T).meta["best_uniform"]
@@ -216,7 +217,7 @@ def test_planted_sink_layer_chooses_a_rule_that_keeps_position_0(seed):
     pol = C.calibrate(m, None, B, texts=tx, settings=SET, cont_len=N)
     cos = pol.meta["signals"]["prefill"]["cosine"]
     ref = C.reference(m, torch.tensor([tx[0][0]]), torch.tensor([tx[0][1]]), SET)
-    keeps = {r: bool((P.compress(ref["full"], ref["stats"], C.probe_policy(3, layer, (r, B), ("append", B), B, SET))
+    keeps = {r: bool((C.probe_policy(3, layer, (r, B), ("append", B), B, SET).compress(m, ref["full"], ref["obs"])
                       .layers[layer].pos == 0).any()) for r in C.POOL}
     assert keeps["streaming"] and not keeps["h2o"] and not keeps["tova"]      # the plant works
     assert keeps[pol.layers[layer].prefill[0]]
@@ -253,7 +254,7 @@ def test_one_rule_uniform_budgets_equals_uniform_policy(rule):
         a, b = P.prefill(m, tokens[:, :T], p), P.prefill(m, tokens[:, :T], q)
         for la, lb in zip(a.layers, b.layers):
             assert torch.equal(la.pos, lb.pos) and torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
-        assert torch.equal(M.decode(m, tokens[:, T:], a), M.decode(m, tokens[:, T:], b))
+        assert torch.equal(M.decode(m, tokens[:, T:], a, p.decoder), M.decode(m, tokens[:, T:], b, q.decoder))
 
 
 def test_build_budgets_append_and_ablations():

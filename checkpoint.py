@@ -1,0 +1,139 @@
+"""Checkpoint files: Hugging Face model folders in and out, and the tokenizer.
+
+A Hugging Face folder is `config.json`, `*.safetensors` (possibly sharded, with
+`model.safetensors.index.json`) and `tokenizer.json`. This module only moves tensors and JSON
+between such a folder and Python; model.py turns them into a network (`model.load`,
+`model.save`). The embedded default (SmolLM2-135M-Instruct) is converted once into such a folder
+by embedded.py, so the default and any real checkpoint are read the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+from errors import UsageError
+
+
+def default_model_dir() -> Path:
+    """Where the embedded default lives in HF layout: $POLYKV_CACHE or ~/.cache/polykv."""
+    root = Path(os.environ.get("POLYKV_CACHE", "~/.cache/polykv")).expanduser()
+    return root / "SmolLM2-135M-Instruct"
+
+
+def folder(path=None) -> Path:
+    """The checked folder of a checkpoint; None = the embedded default (converted on first use)."""
+    if path is None:
+        from embedded import ensure_default_model
+        path = ensure_default_model(default_model_dir())
+    path = Path(path)
+    if not path.is_dir():
+        raise UsageError(f"model folder {str(path)!r} does not exist")
+    if not (path / "config.json").is_file():
+        raise UsageError(f"{str(path)!r} has no config.json: not a Hugging Face model folder")
+    if not sorted(path.glob("*.safetensors")):
+        raise UsageError(f"{str(path)!r} has no *.safetensors weights")
+    if not (path / "tokenizer.json").is_file():
+        raise UsageError(f"{str(path)!r} has no tokenizer.json")
+    return path
+
+
+def read_config(path: Path) -> dict:
+    try:
+        return json.loads((path / "config.json").read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{str(path / 'config.json')!r} is not valid JSON: {e}")
+
+
+def read_weights(path: Path) -> dict:
+    """Every shard's tensors by their Hugging Face names (the index only says which shard
+    holds which tensor)."""
+    from safetensors.torch import load_file
+    sd = {}
+    for f in sorted(path.glob("*.safetensors")):
+        sd.update(load_file(str(f)))
+    return sd
+
+
+def write(path, config: dict, sd: dict, shard_size: Optional[int] = None):
+    """config.json + model.safetensors, or `shard_size` tensors per shard + the index."""
+    from safetensors.torch import save_file
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    (path / "config.json").write_text(json.dumps(config, indent=1))
+    if shard_size is None:
+        save_file(sd, str(path / "model.safetensors"))
+        return
+    names, index = sorted(sd), {}
+    chunks = [names[i:i + shard_size] for i in range(0, len(names), shard_size)]
+    for n, chunk in enumerate(chunks):
+        fname = f"model-{n + 1:05d}-of-{len(chunks):05d}.safetensors"
+        save_file({k: sd[k] for k in chunk}, str(path / fname))
+        index.update({k: fname for k in chunk})
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": index}, indent=1))
+
+
+# ----------------------------------------------------------------------------- config.json
+
+def config_fields(d: dict) -> dict:
+    """model.Config's fields from a Hugging Face config.json dict (LlamaForCausalLM or
+    Qwen3ForCausalLM); anything else is a UsageError."""
+    arch = (d.get("architectures") or ["?"])[0]
+    if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
+        raise UsageError(f"unsupported architecture {arch!r}: only LlamaForCausalLM and Qwen3ForCausalLM")
+    eos = d.get("eos_token_id")
+    eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    scaling = d.get("rope_scaling")
+    if scaling is not None:
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ("llama3", "default"):
+            raise UsageError(f"unsupported rope_scaling type {kind!r}: only 'llama3'")
+        scaling = None if kind == "default" else scaling
+    return dict(
+        vocab_size=d["vocab_size"], dim=d["hidden_size"], n_layers=d["num_hidden_layers"],
+        n_heads=d["num_attention_heads"],
+        n_kv_heads=d.get("num_key_value_heads", d["num_attention_heads"]),
+        head_dim=d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"],
+        hidden_dim=d["intermediate_size"], rope_theta=float(d.get("rope_theta", 10000.0)),
+        rope_scaling=scaling, rms_eps=d.get("rms_norm_eps", 1e-6),
+        max_seq_len=d.get("max_position_embeddings", 2048),
+        tie_embeddings=d.get("tie_word_embeddings", False),
+        qk_norm=arch == "Qwen3ForCausalLM", attention_bias=d.get("attention_bias", False),
+        bos_id=d.get("bos_token_id"), eos_ids=eos)
+
+
+def hf_config(c: dict) -> dict:
+    """The config.json dict of model.Config's fields c (the inverse of config_fields)."""
+    eos = list(c["eos_ids"]) if len(c["eos_ids"]) != 1 else c["eos_ids"][0]
+    return {"architectures": ["Qwen3ForCausalLM" if c["qk_norm"] else "LlamaForCausalLM"],
+            "vocab_size": c["vocab_size"], "hidden_size": c["dim"],
+            "num_hidden_layers": c["n_layers"], "num_attention_heads": c["n_heads"],
+            "num_key_value_heads": c["n_kv_heads"], "head_dim": c["head_dim"],
+            "intermediate_size": c["hidden_dim"], "rope_theta": c["rope_theta"],
+            "rope_scaling": c["rope_scaling"], "rms_norm_eps": c["rms_eps"],
+            "max_position_embeddings": c["max_seq_len"], "tie_word_embeddings": c["tie_embeddings"],
+            "attention_bias": c["attention_bias"], "bos_token_id": c["bos_id"], "eos_token_id": eos}
+
+
+# ----------------------------------------------------------------------------- tokenizer
+
+class Tokenizer:
+    """A thin wrapper over a Hugging Face `tokenizers` file: encode/decode and the special ids."""
+
+    def __init__(self, path: Path, bos_id: Optional[int] = None, eos_ids=()):
+        from tokenizers import Tokenizer as _Tok
+        self.tok = _Tok.from_file(str(path))
+        self.bos_id = bos_id
+        self.eos_ids = set(eos_ids)
+        self.eos_id = tuple(eos_ids)[0] if eos_ids else None
+
+    def encode(self, text: str) -> list:
+        # the tokenizer's own post-processor decides about BOS (Llama-3 adds it, SmolLM2 does not)
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+    def __len__(self):
+        return self.tok.get_vocab_size()
