@@ -32,7 +32,11 @@ from errors import UsageError
 from model import Hooks, attention_probs
 from rules import DECODE, RULES, RuleSettings, ScoreInput, group_mean, select
 
-PREFILL_RULES = ("full",) + tuple(RULES)     # "full": keep every entry
+
+
+def prefill_rules() -> tuple:
+    """"full" (keep every entry) and every registered rule, those registered at run time too."""
+    return ("full",) + tuple(RULES)
 
 
 # ----------------------------------------------------------------------------- policy
@@ -83,7 +87,7 @@ class Policy(methods.Method):
         if self.budget < 1:
             raise UsageError(f"budget must be >= 1, got {self.budget}")
         L = len(self.layers)
-        for phase, names in (("prefill", PREFILL_RULES), ("decode", tuple(DECODE))):
+        for phase, names in (("prefill", prefill_rules()), ("decode", tuple(DECODE))):
             for l, lp in enumerate(self.layers):
                 rule, b = getattr(lp, phase)
                 if rule not in names:
@@ -101,8 +105,8 @@ class Policy(methods.Method):
         """Every layer: (rule, budget) at prefill and the rule's own decode form (SPEC §3)."""
         if rule == "pyramidkv":
             raise UsageError("pyramidkv is SnapKV scoring with a layer schedule: use Policy.pyramid")
-        if rule not in PREFILL_RULES:
-            raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(PREFILL_RULES)}")
+        if rule not in prefill_rules():
+            raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(prefill_rules())}")
         dec = decode or ("append" if rule == "full" else RULES[rule].decode)
         return cls([LayerPolicy((rule, budget), (dec, budget)) for _ in range(n_layers)],
                    budget, settings)

@@ -140,6 +140,16 @@ def snapkv(x: ScoreInput):
     return sc, recent(T, s.window)
 
 
+@rule("knorm")
+def knorm(x: ScoreInput):
+    """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression"; kvpress `KnormPress`): keys with a *low* L2 norm draw more attention, so
+    s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the norm
+    of the post-RoPE key is the norm of the key."""
+    B, G, T = x.shape
+    return -x.k.double().norm(dim=-1), none_protected(T)
+
+
 @rule("random", pool=False)
 def random(x: ScoreInput):
     """A floor: uniform random scores from (seed, layer)."""
