@@ -67,7 +67,13 @@ class Cache:
                     for _ in range(n_layers)])
 
     def entries(self) -> int:
+        """Real entries (padding excluded), all layers, batch rows and heads."""
         return sum(lc.real_entries() for lc in self.layers)
+
+    def allocated(self) -> int:
+        """Entry slots the k and v tensors hold, padding included: Σ_l B·G·S (bytes = this ×
+        2·D·element size)."""
+        return sum(lc.k.shape[0] * lc.k.shape[1] * lc.k.shape[2] for lc in self.layers)
 
     def fork(self) -> "Cache":
         """An independent cache sharing the tensors (LayerCache ops never write in place): every

@@ -189,6 +189,9 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
         t0 = time.time()
         cosine, dppl = {r: [] for r in rules}, {r: [] for r in rules}
         for l in range(L):
+            if l and l % 5 == 0:
+                eta = (time.time() - t0) / l * (L - l)
+                log(f"{phase} probes: layer {l}/{L}, {time.time() - t0:.0f} s, ETA {eta:.0f} s for this phase")
             for r in rules:
                 pre, dec = (r, budget), ("append", budget)
                 if phase == "decode":

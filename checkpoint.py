@@ -119,7 +119,8 @@ def hf_config(c: dict) -> dict:
 # ----------------------------------------------------------------------------- tokenizer
 
 class Tokenizer:
-    """A thin wrapper over a Hugging Face `tokenizers` file: encode/decode and the special ids."""
+    """A thin wrapper over a Hugging Face `tokenizers` file: encode/decode, the special ids and,
+    when the folder's tokenizer_config.json has one, the checkpoint's chat template."""
 
     def __init__(self, path: Path, bos_id: Optional[int] = None, eos_ids=()):
         from tokenizers import Tokenizer as _Tok
@@ -127,10 +128,40 @@ class Tokenizer:
         self.bos_id = bos_id
         self.eos_ids = set(eos_ids)
         self.eos_id = tuple(eos_ids)[0] if eos_ids else None
+        cfg = Path(path).with_name("tokenizer_config.json")
+        self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
 
-    def encode(self, text: str) -> list:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list:
         # the tokenizer's own post-processor decides about BOS (Llama-3 adds it, SmolLM2 does not)
-        return self.tok.encode(text).ids
+        return self.tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(self.config.get("chat_template"))
+
+    def chat(self, user: str) -> str:
+        """`user` as the one user turn of the checkpoint's chat template, with the generation
+        prompt: the text transformers' `apply_chat_template(..., add_generation_prompt=True)`
+        renders (jinja2 sandbox, trim_blocks, lstrip_blocks, loop controls). The text carries
+        its own special tokens: encode it with add_special_tokens=False. Needs jinja2."""
+        try:
+            from jinja2.ext import loopcontrols
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise UsageError("this checkpoint's chat template needs jinja2 (pip install jinja2)")
+        template = self.config["chat_template"]
+        if isinstance(template, list):                   # [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template}["default"]
+        special = lambda k: (self.config.get(k) or {}).get("content") if isinstance(self.config.get(k), dict) \
+            else self.config.get(k)
+
+        def raise_exception(message):
+            raise UsageError(f"chat template: {message}")
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.globals["raise_exception"] = raise_exception
+        return env.from_string(template).render(
+            messages=[{"role": "user", "content": user}], add_generation_prompt=True,
+            bos_token=special("bos_token") or "", eos_token=special("eos_token") or "")
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -15,22 +15,35 @@ methods of one sample share that one prefill (and its attention statistics); eac
 only its compression and decoding. Teacher-forced distributions count from the first
 continuation token (predicted from the prefill's last logits) on.
 
-Ablations are methods too: `polykv-pattern` (the calibrated rules, uniform budgets),
-`polykv-budget` (the best uniform rule, the calibrated budgets), `polykv-prefill` (the
-calibrated prefill phase, no eviction while decoding) and the `gracekv-*` variants
-(gracekv.VARIANTS, Settings overrides). Every method is a methods.Method: the harness builds
-each once (`Methods`), runs one shared prefill observing the union of their needs, compresses
-each method once and decodes forks of its cache with the method's decoder. Each row records its compression time (`compress_s`) and
-the shared prefill's (`prefill_s`).
+A fair comparison (SPEC.md §6):
+- Equal memory (`--memory equal`, the default): every method may grow by the tokens that follow
+  the prompt; a policy's decode budgets are its prefill budgets plus that allowance, so an
+  evicting decode rule (TOVA, H2O, StreamingLLM, PolyKV's) evicts only beyond it and every
+  method's peak equals its prompt cache plus the same tokens. Each row records the prompt cache
+  after compression (`kv_fraction`), the peak real entries while teacher-forcing
+  (`peak_fraction`) and the peak allocated slots, padding included (`alloc_fraction`), each
+  relative to FullKV after the same tokens. `--memory budget` is the papers' protocol (evicting
+  decode rules hold their prompt budget).
+- Same numerical path: FullKV and every method of an item are teacher-forced the same way — in
+  one step, or token by token for all when some method's decoder evicts within the continuation.
+- Intervals: report.py gives each mean a paired bootstrap 95 % interval over prompts, and each
+  method's difference to the best uniform rule its own.
+- Splits: `--split test` (default) scores the test passages (even topics) and RULER seeds
+  + 1000; `--split dev` the dev passages (odd topics, where calibration reads too) and the
+  seeds as given. Defaults are chosen on dev, tables reported on test.
+- `--suite reference`: 32 fidelity prompts (1,792 tokens, disjoint passages) and 32
+  `niah_single_1` prompts at budgets 128 and 512: the README's headline run.
 
 Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
-with the same arguments skips what is there. OUT/summary.json (flat rows for scripts) and
+with the same arguments skips what is there (a torn last line, from a run killed while writing,
+is dropped with a warning and recomputed). OUT/summary.json (flat rows for scripts) and
 OUT/summary.md (the table) are written at the end.
 """
 from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import sys
 import time
@@ -72,12 +85,19 @@ class Item:
     target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
 
 
-def teacher_force(model, cache, target, decoder=None) -> torch.Tensor:
-    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32; the first row is the prefill's.
-    decoder: the method's decode-time eviction (None = append)."""
-    first = cache.last_logits[:, None]                                        # (1, 1, V)
-    rest = M.decode(model, target[:, :-1], cache, decoder) if target.shape[1] > 1 else first[:, :0]
-    return torch.log_softmax(torch.cat((first, rest), 1)[0].float(), -1)     # (n, V)
+def teacher_force(model, cache, target, decoder=None, stepwise=False):
+    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32 (the first row is the prefill's),
+    and the cache's peak (real entries, allocated slots) between steps.
+
+    stepwise: feed one token per step (needed when a decoder evicts); FullKV and every method
+    of an item take the same path (SPEC.md §6 "Same numerical path")."""
+    n = target.shape[1]
+    steps = [slice(i, i + 1) for i in range(n - 1)] if stepwise else [slice(0, n - 1)] * (n > 1)
+    rows, entries, slots = [cache.last_logits[:, None]], cache.entries(), cache.allocated()
+    for s in steps:
+        rows.append(M.decode(model, target[:, s], cache, decoder))          # (1, |s|, V)
+        entries, slots = max(entries, cache.entries()), max(slots, cache.allocated())
+    return torch.log_softmax(torch.cat(rows, 1)[0].float(), -1), (entries, slots)   # (n, V)
 
 
 def compare(ref_lp, lp, target) -> dict:
@@ -108,8 +128,9 @@ class Methods:
                 import calibrate
                 print(f"polykv: policy for budget {budget} from {self.args.cache_dir} "
                       "(calibrated once on first use, about 5 min on 2 CPU cores)", flush=True)
+                log = lambda s: print(f"polykv calibration B={budget}: {s}", flush=True)
                 self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
-                                                          self.args.seed, Path(self.args.cache_dir))
+                                                          self.args.seed, Path(self.args.cache_dir), log=log)
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
@@ -119,21 +140,20 @@ class Methods:
         return self.made[name, budget]
 
     def make(self, name, budget) -> MT.Method:
+        """The method; under --memory equal a policy's decode budgets grow by the allowance."""
         if name == "pyramidkv":
             return P.Pyramid(budget)
-        if name in UNIFORM:
-            return P.Policy.uniform(name, budget, self.L)
         if name in gracekv.VARIANTS:
             return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
-        import calibrate
-        pol = self.calibrated(budget)
-        if name == "polykv":
-            return pol
-        if name == "polykv-pattern":
-            return calibrate.pattern_only(pol)
-        if name == "polykv-prefill":
-            return calibrate.prefill_only(pol)
-        return calibrate.budget_only(pol, pol.meta.get("best_uniform", "snapkv"))
+        if name in UNIFORM:
+            pol = P.Policy.uniform(name, budget, self.L)
+        else:
+            import calibrate
+            pol = self.calibrated(budget)
+            pol = {"polykv": lambda p: p, "polykv-pattern": calibrate.pattern_only,
+                   "polykv-prefill": calibrate.prefill_only,
+                   "polykv-budget": lambda p: calibrate.budget_only(p, p.meta.get("best_uniform", "snapkv"))}[name](pol)
+        return pol.with_allowance(self.args.allowance) if self.args.memory == "equal" else pol
 
 
 def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
@@ -144,7 +164,10 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     t0 = time.perf_counter()
     full, obs = MT.observe_for(model, item.tokens, list(made.values()))
     t_p = time.perf_counter() - t0
-    ref_lp = teacher_force(model, full.fork(), item.target) if item.target is not None else None
+    if item.target is not None:
+        n = item.target.shape[1]
+        stepwise = any(m.evicts_within(T, n) for m in made.values())
+        ref_lp, (ref_entries, ref_slots) = teacher_force(model, full.fork(), item.target, None, stepwise)
     L, G = model.config.n_layers, model.config.n_kv_heads
     out = []
     for (name, budget), method in made.items():
@@ -156,15 +179,47 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
              "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4),
              "prefill_s": round(t_p, 4)}   # the shared prefill + every method's statistics
         if item.target is not None:
-            r.update(compare(ref_lp, teacher_force(model, cache.fork(), item.target, method.decoder),
-                             item.target))
+            lp, (entries, slots) = teacher_force(model, cache.fork(), item.target,
+                                                 method.decoder if stepwise else None, stepwise)
+            r.update(compare(ref_lp, lp, item.target))
+            # memory while decoding, vs FullKV after the same tokens: real entries and allocated
+            # slots (padding included; bytes = slots × 2·D·element size for both)
+            r.update(peak_fraction=entries / ref_entries, alloc_fraction=slots / ref_slots)
         if item.sample is not None:
             ids = M.greedy(model, cache.fork(), min(item.sample.max_new_tokens, methods.args.max_new_tokens),
-                           tok.eos_ids, method.decoder)
+                           stop_ids(tok, item.sample), method.decoder)
             r["pred"] = tok.decode(ids)
             r["score"] = metrics.score(item.sample, r["pred"])
         out.append(r)
     return out
+
+
+def stop_ids(tok, sample) -> set:
+    """Where greedy decoding stops: EOS, and for samsum the newline token too (LongBench
+    pred.py: eos_token_id=[eos, encode("\\n")[-1]])."""
+    if sample.stop_at_newline:
+        return set(tok.eos_ids) | {tok.encode("\n", add_special_tokens=False)[-1]}
+    return set(tok.eos_ids)
+
+
+def read_rows(jsonl: Path) -> list:
+    """The finished rows of a run. A run killed while writing (power loss, OOM killer) leaves a
+    torn last line: it is dropped with a one-line warning and cut from the file, so the rerun
+    appends after the last complete row."""
+    if not jsonl.exists():
+        return []
+    data = jsonl.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]                 # complete lines end with a newline
+    rows = []
+    for line in keep.decode().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    if len(keep) < len(data):
+        print(f"warning: {jsonl}: dropped a torn last line ({len(data) - len(keep)} bytes) "
+              "from an interrupted run; it is recomputed", file=sys.stderr, flush=True)
+        with open(jsonl, "r+b") as f:
+            f.truncate(len(keep))
+    return rows
 
 
 def result_key(name, budget, item) -> str:
@@ -180,18 +235,18 @@ def build_items(tok, args, model):
     items = []
     for length in args.fidelity_length:
         for i in range(args.fidelity_samples):
-            p, c = TK.fidelity_text(tok, length, args.cont_len, args.seed, i)
+            p, c = TK.fidelity_text(tok, length, args.cont_len, args.seed, i, args.split)
             items.append(Item("fidelity", i, length, as_t(p), target=as_t(c)))
     for length in args.length:
         for task in args.tasks:
             for i in range(args.samples):
-                s = TK.RULER_TASKS[task](tok, length, args.seed, i)
+                s = TK.RULER_TASKS[task](tok, length, TK.ruler_seed(args.split, args.seed), i)
                 ids = tok.encode(s.prompt)
                 gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
                 items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None))
     if args.data:
         for i, s in enumerate(TK.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
-            items.append(Item(s.task, s.index, 0, as_t(tok.encode(s.prompt)), s))
+            items.append(Item(s.task, s.index, 0, as_t(tok.encode(s.prompt, add_special_tokens=not s.templated)), s))
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
             raise UsageError(f"{it.task} prompt of {it.tokens.shape[1]} tokens is longer than the "
@@ -204,7 +259,15 @@ def build_items(tok, args, model):
 def parse(argv):
     ap = argparse.ArgumentParser(description="KV-cache compression methods against FullKV.")
     ints = lambda s: [int(x) for x in s.split(",") if x]
-    ap.add_argument("--budget", type=ints, default=[512], help="average entries per (layer, KV head); comma list sweeps")
+    ap.add_argument("--budget", type=ints, default=None,
+                    help="average entries per (layer, KV head); comma list sweeps (default 512; reference: 128,512)")
+    ap.add_argument("--suite", choices=("default", "reference"), default="default",
+                    help="reference: 32 fidelity + 32 niah_single_1 prompts, budgets 128 and 512 (about an hour on 2 CPU cores)")
+    ap.add_argument("--split", choices=TK.SPLITS, default="test",
+                    help="test: the reported tables; dev: where defaults are chosen (other passages and seeds)")
+    ap.add_argument("--memory", choices=("equal", "budget"), default="equal",
+                    help="equal: every method may grow by the generated tokens (evicting decode rules evict only "
+                         "beyond that), so peaks are equal; budget: evicting decode rules hold their prompt budget")
     ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--device", default=None)
@@ -234,17 +297,28 @@ def parse(argv):
     bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
     if bad:
         raise UsageError(f"unknown task {bad[0]!r}; choose from {', '.join(TK.RULER_TASKS)}")
+    ref = args.suite == "reference"
+    args.budget = args.budget or ([128, 512] if ref else [512])
     if min(args.budget) < 1:
         raise UsageError(f"budget must be >= 1, got {min(args.budget)}")
+    if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise UsageError(f"--device {args.device}: no CUDA device is available here (use --device cpu)")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        raise UsageError("--plot needs matplotlib (pip install matplotlib), or leave --plot out")
     gpu = args.model is not None and torch.cuda.is_available()
     # defaults: CPU + embedded model -> sized to run in ~10 min on 2 cores; GPU -> long prompts
+    # reference (CPU): 32 + 32 prompts; fidelity at 1,792 tokens so that its 32 passages (+64
+    # continuation tokens each) are disjoint within the test text (61K tokens)
     args.length = args.length or ([4096, 8192, 16384] if gpu else [2048])
-    args.fidelity_length = args.fidelity_length or ([4096, 8192, 16384] if gpu else [2048])
-    args.samples = args.samples if args.samples is not None else (50 if gpu else 6)
-    args.fidelity_samples = args.fidelity_samples if args.fidelity_samples is not None else (20 if gpu else 4)
+    args.fidelity_length = args.fidelity_length or ([4096, 8192, 16384] if gpu else [1792] if ref else [2048])
+    args.samples = args.samples if args.samples is not None else (50 if gpu else 32 if ref else 6)
+    args.fidelity_samples = args.fidelity_samples if args.fidelity_samples is not None else \
+        (20 if gpu else 32 if ref else 4)
     # RULER lets niah generate 128 tokens; the 7-digit answers need ~10, and on a CPU every
     # token costs one decoding step per method
     args.max_new_tokens = args.max_new_tokens or (10**6 if gpu else 24)
+    # equal memory: what any item may add after its prompt (continuation or generated answer)
+    args.allowance = max(args.cont_len, min(args.max_new_tokens, 1024))
     args.model_name = Path(args.model).name if args.model else M.default_model_dir().name
     return args
 
@@ -259,7 +333,7 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     keyed = {k: getattr(args, k) for k in ("model_name", "tasks", "length", "samples", "fidelity_length",
                                            "fidelity_samples", "cont_len", "max_new_tokens", "data",
-                                           "policy", "seed")}
+                                           "policy", "seed", "split", "memory")}
     keyed["dtype"] = str(m.dtype)
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
     out.mkdir(parents=True, exist_ok=True)
@@ -267,14 +341,17 @@ def main(argv=None):
     print("config: " + json.dumps(config), flush=True)
     items = build_items(tok, args, m)
     jsonl = out / "samples.jsonl"
-    rows = [json.loads(l) for l in jsonl.read_text().splitlines() if l.strip()] if jsonl.exists() else []
+    rows = read_rows(jsonl)
     done = {r["key"] for r in rows}
     methods = Methods(m, tok, args)
+    for b in args.budget:                 # PolyKV calibrates here, once, before the timed loop
+        for n in args.methods:
+            methods.get(n, b)
+    todo = {id(it) for it in items if not {result_key(n, b, it) for n in args.methods for b in args.budget} <= done}
     t0, n_run = time.time(), 0
     with open(jsonl, "a") as f:
         for i, item in enumerate(items):
-            keys = {result_key(n, b, item) for n in args.methods for b in args.budget}
-            if keys <= done:
+            if id(item) not in todo:
                 continue
             new = run_item(m, tok, methods, args.methods, args.budget, item, done)
             for r in new:
@@ -285,19 +362,20 @@ def main(argv=None):
             rows += new
             done |= {r["key"] for r in new}
             n_run += 1
-            eta = (time.time() - t0) / n_run * (len(items) - i - 1)
+            eta = (time.time() - t0) / n_run * (len(todo) - n_run)
             print(report.progress(rows, item, args.methods, args.budget[0], i, len(items), eta), flush=True)
     summary = report.summarize(rows, args.methods, args.budget)
     config["wall_s"] = round(time.time() - t_start, 1)
     per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}
     config["prefill_s"] = round(sum(per_prompt.values()) / max(1, len(per_prompt)), 2)
-    (out / "summary.json").write_text(json.dumps({"config": config, "rows": summary}, indent=1))
+    P.write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
+              f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
               f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt")
     md = header + "\n\n" + report.table(summary, args.methods, args.budget, args.tasks)
-    (out / "summary.md").write_text(md + "\n")
+    P.write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
         report.plot(summary, args.methods, out)

@@ -95,6 +95,11 @@ class Method:
     def decoder(self) -> Optional[M.Hooks]:
         return None
 
+    def evicts_within(self, T: int, n: int) -> bool:
+        """Whether the decoder can evict while n tokens follow a prompt of T tokens (if not,
+        decoding is plain appending and may run in one step)."""
+        return False
+
     @torch.no_grad()
     def prefill(self, model, tokens) -> Cache:
         """Full prefill of tokens (1, T) observing what this method needs, then compression."""

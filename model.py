@@ -406,6 +406,8 @@ def generate(model: Llama, tok, prompt: str, method=None, max_new_tokens: int = 
     method: None (FullKV) or any compression method (methods.Method: a polykv.Policy, a
     gracekv.GraceKV...): its `prefill(model, tokens)` gives the compressed cache and its
     `decoder` (None = append) keeps the cache in budget while decoding."""
+    if max_new_tokens < 0:
+        raise UsageError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     ids = tok.encode(prompt)
     check_length(model, len(ids) + max_new_tokens)
     tokens = torch.tensor([ids], device=model.device)                        # (1, T)

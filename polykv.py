@@ -82,6 +82,7 @@ class Policy(methods.Method):
     budget: int
     settings: RuleSettings = field(default_factory=RuleSettings)
     meta: dict = field(default_factory=dict)   # e.g. calibration signals, model name
+    allowance: int = 0    # generated tokens every layer may add on top of its decode budget
 
     def __post_init__(self):
         if self.budget < 1:
@@ -96,8 +97,10 @@ class Policy(methods.Method):
                     raise UsageError(f"layer {l}: {phase} budget must be a non-negative integer, got {b!r}")
             total = sum(getattr(lp, phase)[1] for lp in self.layers
                         if getattr(lp, phase)[0] not in ("full", "append"))
-            if total > L * self.budget:
-                raise UsageError(f"{phase} budgets sum to {total} > L·B = {L}·{self.budget}")
+            cap = L * (self.budget + (self.allowance if phase == "decode" else 0))
+            if total > cap:
+                raise UsageError(f"{phase} budgets sum to {total} > L·B = {L}·{self.budget}"
+                                 + (f" + L·{self.allowance} generated" if phase == "decode" and self.allowance else ""))
 
     @classmethod
     def uniform(cls, rule: str, budget: int, n_layers: int, decode: Optional[str] = None,
@@ -117,6 +120,13 @@ class Policy(methods.Method):
         """PyramidKV: SnapKV scoring with the pyramid layer schedule for a prompt of T tokens."""
         bs = pyramid_budgets(budget, prompt_len, n_layers, settings.window, settings.beta)
         return cls([LayerPolicy(("snapkv", b), ("append", b)) for b in bs], budget, settings)
+
+    def with_allowance(self, n: int) -> "Policy":
+        """Equal memory (SPEC.md §6): every decode budget raised by n generated tokens, so a
+        layer may grow by the generated tokens as an appending method does, and its decode rule
+        evicts only beyond that. The paper's protocol is n = 0."""
+        layers = [LayerPolicy(lp.prefill, (lp.decode[0], lp.decode[1] + n)) for lp in self.layers]
+        return Policy(layers, self.budget, self.settings, dict(self.meta), self.allowance + n)
 
     def rescaled(self, budget: int) -> "Policy":
         """The same rules with every phase's budgets scaled to average `budget` (exact sum L·B)."""
@@ -169,6 +179,15 @@ class Policy(methods.Method):
         if all(lp.decode[0] == "append" for lp in self.layers):
             return None
         return Hooks(cache_update=self.decode_update)
+
+    def evicts_within(self, T: int, n: int) -> bool:
+        """Some layer's decode rule evicts before n tokens have followed a T-token prompt."""
+        for lp in self.layers:
+            (rule, b), (dec, bd) = lp.prefill, lp.decode
+            size = T if rule == "full" or b >= T else b
+            if DECODE[dec].score is not None and bd < size + n:
+                return True
+        return False
 
     def decode_update(self, layer, q, q_pos, lc):
         """After a generated token: update the layer's decode state, evict down to its budget.

@@ -1,91 +1,166 @@
-"""The benchmark's report: flat summary rows, the Markdown table, PolyKV's gap recovered, the
-progress line and the budget-vs-score plot (SPEC.md §6). Pure functions of the per-sample rows
-that evaluate.py writes to samples.jsonl.
+"""The benchmark's report: flat summary rows with paired bootstrap intervals, the Markdown table,
+each method's difference to the best uniform rule, PolyKV's gap recovered, the progress line
+and the budget-vs-score plot (SPEC.md §6). Pure functions of the per-sample rows that
+evaluate.py writes to samples.jsonl.
+
+Uncertainty (SPEC.md §6 "A fair comparison"): every mean gets a 95 % percentile bootstrap
+interval over prompts, *paired* — each resample draws one set of prompts and every method is
+averaged over those same prompts — so differences between methods get their own, narrower,
+intervals. A difference whose interval contains 0 is a tie.
 """
 from __future__ import annotations
 
+import numpy as np
+
 import rules
 
-# the uniform baselines a PolyKV row is compared with: every registered rule and PyramidKV
+# the uniform baselines a method is compared with: every registered rule but the random floor,
+# and PyramidKV
 BASELINES = tuple(n for n, r in rules.RULES.items() if r.pool) + ("pyramidkv",)
+LOWER_IS_BETTER = {"kl", "dnll"}
+N_BOOT, SEED = 2000, 0
+
+
+def values(rows: list) -> dict:
+    """(method, budget, task, metric) -> {prompt: value}; RULER rows also feed the `answer`
+    task (answer fidelity) and every row the `memory` and `time` tasks."""
+    acc = {}
+    for r in rows:
+        prompt = (r["task"], r["length"], r["index"])
+        put = lambda task, metric, v: acc.setdefault((r["method"], r["budget"], task, metric), {}).__setitem__(prompt, v)
+        if r["task"] == "fidelity":
+            for m in ("kl", "dnll", "top1"):
+                put("fidelity", m, r[m])
+        else:
+            if "score" in r:
+                put(r["task"], r.get("metric", "string_match_all"), r["score"])
+            if "kl" in r:
+                for m in ("kl", "dnll"):
+                    put("answer", m, r[m])
+        for m in ("kv_fraction", "peak_fraction", "alloc_fraction"):
+            if m in r:
+                put("memory", m, r[m])
+        if "compress_s" in r:
+            put("time", "compress_s", r["compress_s"])
+    return acc
+
+
+def resample_index(n: int, seed: int = SEED) -> np.ndarray:
+    """(N_BOOT, n) prompt indices drawn with replacement; the same draw serves every method."""
+    return np.random.default_rng(seed).integers(0, n, size=(N_BOOT, n))
+
+
+def interval(x: np.ndarray) -> tuple:
+    lo, hi = np.percentile(x, [2.5, 97.5])
+    return float(lo), float(hi)
 
 
 def summarize(rows: list, names, budgets) -> list:
-    """Flat summary rows {method, budget, task, metric, value, n} (means over samples)."""
-    acc = {}
-    for r in rows:
-        task = r["task"]
-        vals = {}
-        if task == "fidelity":
-            vals = {m: r[m] for m in ("kl", "dnll", "top1")}
-        else:
-            if "score" in r:
-                vals[r.get("metric", "string_match_all")] = r["score"]
-            if "kl" in r:   # answer fidelity over all RULER samples
-                for m in ("kl", "dnll"):
-                    acc.setdefault((r["method"], r["budget"], "answer", m), []).append(r[m])
-        for m, v in vals.items():
-            acc.setdefault((r["method"], r["budget"], task, m), []).append(v)
-        acc.setdefault((r["method"], r["budget"], "memory", "kv_fraction"), []).append(r["kv_fraction"])
-        if "compress_s" in r:
-            acc.setdefault((r["method"], r["budget"], "time", "compress_s"), []).append(r["compress_s"])
-    out = [{"method": k[0], "budget": k[1], "task": k[2], "metric": k[3],
-            "value": round(sum(v) / len(v), 4), "n": len(v)} for k, v in acc.items()]
+    """Flat summary rows {method, budget, task, metric, value, n, ci_low, ci_high}; a method
+    that is not the best uniform rule of its (budget, task, metric) also gets `vs_best`
+    {rule, diff, ci_low, ci_high, tie}; PolyKV rows get task `gap` (gap recovered)."""
+    acc = values(rows)
+    out = []
+    groups = sorted({k[1:] for k in acc})
+    for budget, task, metric in groups:
+        per = {m: acc[(m, budget, task, metric)] for m in names if (m, budget, task, metric) in acc}
+        prompts = sorted(set.intersection(*(set(v) for v in per.values())))
+        if not prompts:
+            continue
+        X = {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}   # (n,)
+        idx = resample_index(len(prompts))
+        boot = {m: x[idx].mean(1) for m, x in X.items()}                                  # (N_BOOT,)
+        sign = -1 if metric in LOWER_IS_BETTER else 1
+        base = [m for m in X if m in BASELINES]
+        best = max(base, key=lambda m: sign * X[m].mean()) if base and task not in ("memory", "time") else None
+        for m, x in X.items():
+            lo, hi = interval(boot[m])
+            row = {"method": m, "budget": budget, "task": task, "metric": metric,
+                   "value": round(float(x.mean()), 4), "n": len(prompts),
+                   "ci_low": round(lo, 4), "ci_high": round(hi, 4)}
+            if best is not None and m != best:
+                dlo, dhi = interval(boot[m] - boot[best])
+                row["vs_best"] = {"rule": best, "diff": round(float(x.mean() - X[best].mean()), 4),
+                                  "ci_low": round(dlo, 4), "ci_high": round(dhi, 4), "tie": dlo <= 0 <= dhi}
+            out.append(row)
+        if best is not None and "full" in X:
+            for m in [m for m in X if m.startswith("polykv")]:
+                out.append(gap_row(m, budget, task, metric, X, boot, best, len(prompts)))
     order = {n: i for i, n in enumerate(names)}
     return sorted(out, key=lambda d: (d["budget"], order.get(d["method"], 99), d["task"], d["metric"]))
 
 
+def gap_row(m, budget, task, metric, X, boot, best, n) -> dict:
+    """Gap recovered = (method − best uniform) / (FullKV − best uniform) (SPEC §6), with its
+    paired interval (the best uniform rule is fixed by the point estimate)."""
+    den = X["full"].mean() - X[best].mean()
+    row = {"method": m, "budget": budget, "task": "gap", "metric": f"{task}_{metric}", "best_uniform": best, "n": n}
+    if abs(den) < 1e-12:
+        return {**row, "value": None}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        g = (boot[m] - boot[best]) / (boot["full"] - boot[best])
+    lo, hi = interval(g[np.isfinite(g)])
+    return {**row, "value": round(float((X[m].mean() - X[best].mean()) / den), 4),
+            "ci_low": round(lo, 4), "ci_high": round(hi, 4)}
+
+
+# ----------------------------------------------------------------------------- table
+
+def cell(d, fmt, scale=1.0) -> str:
+    """'0.050 ±0.008': the mean and the half-width of its 95 % interval."""
+    if d is None or d.get("value") is None:
+        return "–"
+    v = fmt.format(scale * d["value"])
+    if "ci_low" not in d or d["ci_high"] == d["ci_low"]:
+        return v
+    return f"{v} ±{fmt.format(scale * (d['ci_high'] - d['ci_low']) / 2)}"
+
+
 def table(summary: list, names, budgets, ruler_tasks) -> str:
-    """Markdown: one row per (budget, method); RULER tasks, their average, answer and text
-    fidelity, KV kept. PolyKV rows add the gap recovered vs the best uniform rule."""
-    get = {(d["method"], d["budget"], d["task"], d["metric"]): d["value"] for d in summary}
-    cols = [(t, "string_match_all", t, "{:.1f}") for t in ruler_tasks]
-    cols += [("ruler_avg", None, "RULER avg", "{:.1f}"), ("answer", "dnll", "ans ΔNLL", "{:.3f}"),
-             ("fidelity", "kl", "KL", "{:.4f}"), ("fidelity", "dnll", "ΔNLL", "{:.4f}"),
-             ("fidelity", "top1", "top-1 %", "{:.1f}"), ("memory", "kv_fraction", "KV kept %", "{:.1f}"),
-             ("time", "compress_s", "compress s", "{:.2f}")]
-    lines = ["| budget | method | " + " | ".join(c[2] for c in cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    """Markdown: one row per (budget, method): RULER tasks, answer and text fidelity, memory
+    (prompt entries, peak entries while decoding, allocated slots, each vs FullKV), compression
+    time; then the paired differences to the best uniform rule and PolyKV's gap recovered."""
+    get = {(d["method"], d["budget"], d["task"], d["metric"]): d for d in summary}
+    cols = [(t, "string_match_all", t, "{:.1f}", 1) for t in ruler_tasks]
+    cols += [("answer", "dnll", "ans ΔNLL", "{:.3f}", 1), ("fidelity", "kl", "KL", "{:.4f}", 1),
+             ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1), ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
+             ("memory", "kv_fraction", "prompt KV %", "{:.1f}", 100),
+             ("memory", "peak_fraction", "peak KV %", "{:.1f}", 100),
+             ("memory", "alloc_fraction", "alloc KV %", "{:.1f}", 100),
+             ("time", "compress_s", "compress s", "{:.2f}", 1)]
+    present = [c for c in cols if any(k[2:] == c[:2] for k in get)]
+    lines = ["| budget | method | " + " | ".join(c[2] for c in present) + " |",
+             "|---|---|" + "---|" * len(present)]
     for b in budgets:
         for n in names:
-            cells = []
-            for task, metric, _, fmt in cols:
-                if task == "ruler_avg":
-                    vs = [get.get((n, b, t, "string_match_all")) for t in ruler_tasks]
-                    v = sum(vs) / len(vs) if vs and None not in vs else None
-                else:
-                    v = get.get((n, b, task, metric))
-                    v = 100 * v if v is not None and metric == "kv_fraction" else v
-                cells.append("–" if v is None else fmt.format(v))
+            cells = [cell(get.get((n, b, task, metric)), fmt, sc) for task, metric, _, fmt, sc in present]
             lines.append(f"| {b} | {n} | " + " | ".join(cells) + " |")
-    lines += gap_lines(get, names, budgets, ruler_tasks)
+    lines += diff_lines(summary, names, budgets, ruler_tasks)
     return "\n".join(lines)
 
 
-def gap_lines(get, names, budgets, ruler_tasks) -> list:
-    """Gap recovered = (PolyKV − best uniform) / (FullKV − best uniform), per suite (SPEC §6)."""
+def diff_lines(summary, names, budgets, ruler_tasks) -> list:
+    """Per budget and headline metric: each method minus the best uniform rule, paired 95 %
+    interval, 'tie' when it contains 0; then PolyKV's gap recovered with its interval."""
+    heads = [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")]
+    heads += [(t, "string_match_all", t) for t in ruler_tasks]
     out = []
-    pool = [n for n in names if n in BASELINES]
     for b in budgets:
-        for poly in [n for n in names if n.startswith("polykv")]:
-            parts = []
-            for label, key, sign in (("fidelity KL", ("fidelity", "kl"), -1),
-                                     ("RULER avg", ("ruler", "avg"), 1)):
-                def val(n):
-                    if key[0] == "ruler":
-                        vs = [get.get((n, b, t, "string_match_all")) for t in ruler_tasks]
-                        return sum(vs) / len(vs) if vs and None not in vs else None
-                    return get.get((n, b) + key)
-                vals = {n: val(n) for n in pool if val(n) is not None}
-                full, mine = val("full"), val(poly)
-                if not vals or full is None or mine is None:
-                    continue
-                best = max(vals, key=lambda n: sign * vals[n])
-                den = full - vals[best]
-                gap = "n/a (best uniform = FullKV)" if abs(den) < 1e-12 else f"{100 * (mine - vals[best]) / den:+.1f}%"
-                parts.append(f"{label}: {gap} (best uniform {best})")
-            if parts:
-                out.append(f"\n{poly} @ {b}, gap recovered — " + "; ".join(parts))
+        for task, metric, label in heads:
+            rows = [d for d in summary if d["budget"] == b and d["task"] == task and d["metric"] == metric]
+            vs = [d for d in rows if "vs_best" in d and d["method"] != "full"]
+            if not vs:
+                continue
+            best = vs[0]["vs_best"]["rule"]
+            parts = [f"{d['method']} {d['vs_best']['diff']:+.4g} [{d['vs_best']['ci_low']:+.4g}, "
+                     f"{d['vs_best']['ci_high']:+.4g}]" + (" tie" if d["vs_best"]["tie"] else "")
+                     for d in sorted(vs, key=lambda d: names.index(d["method"]) if d["method"] in names else 99)]
+            out.append(f"\nB = {b}, {label} minus best uniform ({best}), paired 95 % CI: " + "; ".join(parts))
+        for d in summary:
+            if d["budget"] == b and d["task"] == "gap":
+                v = "n/a (best uniform = FullKV)" if d["value"] is None else \
+                    f"{100 * d['value']:+.1f}% [{100 * d['ci_low']:+.1f}%, {100 * d['ci_high']:+.1f}%]"
+                out.append(f"\n{d['method']} @ {b}, gap recovered on {d['metric']}: {v} (best uniform {d['best_uniform']})")
     return out
 
 
@@ -103,23 +178,24 @@ def progress(rows, item, names, budget, i, n, eta) -> str:
 
 
 def plot(summary, names, out):
-    """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget, per method."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("--plot needs matplotlib (pip install matplotlib); no plot written")
-        return
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget, per method,
+    with the 95 % interval as a band. evaluate.py checks for matplotlib before the run."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     for ax, (task, metric, label) in zip(axes, [("fidelity", "kl", "fidelity KL (lower is better)"),
                                                  ("answer", "dnll", "answer ΔNLL (lower is better)")]):
         for n in names:
-            pts = sorted((d["budget"], d["value"]) for d in summary
+            pts = sorted((d["budget"], d["value"], d["ci_low"], d["ci_high"]) for d in summary
                          if d["method"] == n and d["task"] == task and d["metric"] == metric)
-            if pts:
-                ax.plot(*zip(*pts), marker="o", label=n)
+            if pts and n != "full":
+                b, v, lo, hi = zip(*pts)
+                line, = ax.plot(b, v, marker="o", label=n)
+                ax.fill_between(b, lo, hi, color=line.get_color(), alpha=0.15)
         ax.set_xscale("log", base=2)
+        if metric == "kl":
+            ax.set_yscale("log")
         ax.set_xlabel("budget (entries per layer and KV head)")
         ax.set_title(label)
     axes[0].legend(fontsize=7)

@@ -18,8 +18,9 @@ arguments: no download, no global random state, one `random.Random` per sample.
    - needle depths are drawn once per sample as fractions, so growing the haystack during the
      search moves nothing else (RULER redraws everything at every size).
 2. Natural text for the fidelity suite and for calibration, from `pydoc_data.topics`: topics in
-   sorted key order, even positions = evaluation text, odd positions = calibration text (disjoint:
-   calibrate.py never sees a passage that evaluate.py scores). That module is the running
+   sorted key order, even positions = the *test* split (the reported tables), odd positions =
+   the *dev* split (calibration and the choice of every default): calibrate.py never sees a
+   passage that a test run scores. That module is the running
    Python's own documentation, so prompts are reproducible for one Python version (3.11 here).
 3. `load_longbench`: LongBench `jsonl` files with the official prompts (`config/dataset2prompt.json`),
    generation lengths (`config/dataset2maxlen.json`) and middle truncation (`pred.py`).
@@ -54,18 +55,31 @@ class Sample:
     all_classes: Optional[list] = None   # LongBench classification datasets (trec)
     chat_template: bool = False  # LongBench pred.py wraps this dataset in the chat template
     stop_at_newline: bool = False  # LongBench pred.py: samsum also stops at "\n"
+    templated: bool = False    # prompt was rendered by the chat template: it holds its own
+                               # special tokens (encode with add_special_tokens=False)
 
 
 # ----------------------------------------------------------------------------- text source
 
+SPLITS = ("dev", "test")
+
+
+@functools.lru_cache(maxsize=None)
 def source_text(split: str) -> str:
-    """`pydoc_data.topics` as one text: 'eval' = topics at even positions of the sorted keys,
-    'calib' = odd positions. reST heading underlines (`*****`, `=====`) are dropped."""
+    """`pydoc_data.topics` as one text: 'test' = topics at even positions of the sorted keys,
+    'dev' = odd positions (calibration and every choice of a default read only 'dev'; the
+    reported tables read 'test'). Some paragraphs are repeated across topics: 'dev' leaves out
+    every paragraph that also occurs in 'test' (22 % of its characters), so no test passage is
+    ever seen while calibrating. reST heading underlines (`*****`, `=====`) are dropped."""
     from pydoc_data.topics import topics
     keys = sorted(topics)
-    chosen = {"eval": keys[0::2], "calib": keys[1::2]}[split]
-    text = "\n\n".join(topics[k].strip() for k in chosen)
-    return re.sub(r"(?m)^[ \t]*([*=\-~^])\1{2,}[ \t]*\n", "", text)
+    clean = lambda ks: re.sub(r"(?m)^[ \t]*([*=\-~^])\1{2,}[ \t]*\n", "",
+                              "\n\n".join(topics[k].strip() for k in ks))
+    test = clean(keys[0::2])
+    if split == "test":
+        return test
+    seen = set(test.split("\n\n"))
+    return "\n\n".join(p for p in clean(keys[1::2]).split("\n\n") if p not in seen)
 
 
 def word_pool() -> list:
@@ -96,17 +110,24 @@ def _window(tok, split, prompt_tokens, cont_tokens, seed, index):
     return prefix + window[:n_body], window[n_body:]
 
 
-def fidelity_text(tok, prompt_tokens: int, cont_tokens: int, seed: int = 0, index: int = 0):
-    """(prompt_ids, continuation_ids) from the evaluation half of `pydoc_data.topics`: a passage
-    of exactly `prompt_tokens` tokens (BOS included when the tokenizer adds one) and the
-    `cont_tokens` tokens of real text that follow it, for teacher forcing (SPEC.md §6 Fidelity)."""
-    return _window(tok, "eval", prompt_tokens, cont_tokens, seed, index)
+def fidelity_text(tok, prompt_tokens: int, cont_tokens: int, seed: int = 0, index: int = 0,
+                  split: str = "test"):
+    """(prompt_ids, continuation_ids) from one split of `pydoc_data.topics`: a passage of exactly
+    `prompt_tokens` tokens (BOS included when the tokenizer adds one) and the `cont_tokens`
+    tokens of real text that follow it, for teacher forcing (SPEC.md §6 Fidelity)."""
+    return _window(tok, split, prompt_tokens, cont_tokens, seed, index)
 
 
 def calibration_texts(tok, n: int, prompt_tokens: int, cont_tokens: int, seed: int = 0) -> list:
-    """n (prompt_ids, continuation_ids) pairs like `fidelity_text`, from the *calibration* half
-    (odd sorted topics): disjoint from every evaluation passage (SPEC.md §4 calibration set)."""
-    return [_window(tok, "calib", prompt_tokens, cont_tokens, seed, i) for i in range(n)]
+    """n (prompt_ids, continuation_ids) pairs like `fidelity_text` from the *dev* half (odd
+    sorted topics): disjoint from every test passage (SPEC.md §4 calibration set, §6 dev/test)."""
+    return [_window(tok, "dev", prompt_tokens, cont_tokens, seed, i) for i in range(n)]
+
+
+def ruler_seed(split: str, seed: int) -> int:
+    """RULER-style samples: dev uses the seed as given, test the seed + 1000 (other needles,
+    keys and depths than any dev run with seeds below 1000)."""
+    return seed if split == "dev" else seed + 1000
 
 
 # ----------------------------------------------------------------------------- fitting
@@ -215,7 +236,7 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
             template = template.replace(a, b)
         type_v = type_v[:-1]
     distractors = []                                 # needle haystack: grown on demand, prefix-stable
-    essay_words = source_text("eval").split() if c["haystack"] == "essay" else None
+    essay_words = source_text("test").split() if c["haystack"] == "essay" else None
 
     def build(n):
         if c["haystack"] == "essay":
@@ -402,7 +423,11 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
     """Every `<dataset>.jsonl` of an English LongBench dataset found in data_dir -> Samples.
     Prompt = dataset2prompt template filled with `context` and `input`; if it has more than
     max_length tokens, keep the first and the last int(max_length/2) tokens, each half decoded
-    on its own and the two texts concatenated (LongBench pred.py)."""
+    on its own and the two texts concatenated (LongBench pred.py). Then, as pred.py's
+    `build_chat` does for chat models on every dataset but NO_CHAT, the prompt becomes the user
+    turn of the checkpoint's own chat template (the modern equivalent for Llama-3 / Qwen3
+    instruct checkpoints) when its tokenizer has one; a checkpoint without one (the embedded
+    GGUF conversion) is prompted raw."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UsageError(f"LongBench data folder {str(data_dir)!r} does not exist")
@@ -421,9 +446,14 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
                 half = int(max_length / 2)
                 prompt = tok.decode(ids[:half]) + tok.decode(ids[-half:])
                 ids = tok.encode(prompt)
+            chat = dataset not in NO_CHAT
+            templated = chat and getattr(tok, "has_chat_template", False)
+            if templated:
+                prompt = tok.chat(prompt)
+                ids = tok.encode(prompt, add_special_tokens=False)
             samples.append(Sample(dataset, i, prompt, [str(a) for a in row["answers"]],
                                   LONGBENCH_METRIC[dataset], LONGBENCH_MAXLEN[dataset],
                                   n_tokens=len(ids), all_classes=row.get("all_classes"),
-                                  chat_template=dataset not in NO_CHAT,
-                                  stop_at_newline=dataset == "samsum"))
+                                  chat_template=chat, stop_at_newline=dataset == "samsum",
+                                  templated=templated))
     return samples

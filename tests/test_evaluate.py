@@ -68,6 +68,12 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
         if r["method"] in ("full", "streaming", "snapkv", "h2o", "polykv-pattern"):
             want = 1.0 if r["method"] == "full" else min(r["budget"], r["n_tokens"]) / r["n_tokens"]
             assert r["kv_fraction"] == pytest.approx(want, rel=1e-12)
+            if "kl" in r:            # unpadded caches that grow by the same tokens as FullKV
+                n = 8 - 1 if r["task"] == "fidelity" else None
+                assert r["alloc_fraction"] == r["peak_fraction"]
+                if n is not None:
+                    assert r["peak_fraction"] == pytest.approx(
+                        (min(r["budget"], r["n_tokens"]) + n) / (r["n_tokens"] + n) if r["method"] != "full" else 1.0)
         else:
             assert r["kv_fraction"] <= r["budget"] / r["n_tokens"] + 1e-12
 
@@ -92,21 +98,94 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
     assert len(lines) == len({json.loads(l)["key"] for l in lines}) == 4 * 8 * 2   # nothing done twice
 
 
-def test_summary_table_and_gap():
+def fake_rows(kl, score, n=6):
+    """Per-sample rows: kl[method] and score[method] are functions of the prompt index."""
     rows = []
-    for m, kl, sc in (("full", 0.0, 100), ("snapkv", 0.2, 50), ("tova", 0.1, 40), ("polykv", 0.05, 70)):
-        rows.append({"method": m, "budget": 64, "task": "fidelity", "kl": kl, "dnll": kl, "top1": 90, "kv_fraction": 0.1})
-        rows.append({"method": m, "budget": 64, "task": "niah_single_1", "score": sc, "metric": "string_match_all",
-                     "kl": kl, "dnll": 2 * kl, "kv_fraction": 0.1})
-    names = ["full", "snapkv", "tova", "polykv"]
-    summary = report.summarize(rows, names, [64])
-    get = {(d["method"], d["task"], d["metric"]): d["value"] for d in summary}
-    assert get[("tova", "answer", "dnll")] == 0.2 and get[("polykv", "niah_single_1", "string_match_all")] == 70
+    for m in kl:
+        for i in range(n):
+            base = {"method": m, "budget": 64, "length": 100, "index": i, "kv_fraction": 0.1}
+            rows.append({**base, "task": "fidelity", "kl": kl[m](i), "dnll": kl[m](i), "top1": 90})
+            rows.append({**base, "task": "niah_single_1", "score": score[m](i), "metric": "string_match_all",
+                         "kl": kl[m](i), "dnll": 2 * kl[m](i)})
+    return rows
+
+
+def test_paired_bootstrap_known_cases():
+    """Identical methods: a difference of exactly 0, a tie; a constant shift c: the difference
+    interval is [c, c] (pairing removes the prompt-to-prompt spread); means and intervals."""
+    spread = lambda i: 0.1 + 0.05 * i                              # prompts differ a lot
+    kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": spread,
+          "polykv": lambda i: spread(i) - 0.02}
+    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 50 * (i % 2), "polykv": lambda i: 75}
+    names = list(kl)
+    summary = report.summarize(fake_rows(kl, score), names, [64])
+    get = {(d["method"], d["task"], d["metric"]): d for d in summary}
+    sn, tv, pk = (get[(m, "fidelity", "kl")] for m in ("snapkv", "tova", "polykv"))
+    assert sn["value"] == pytest.approx(0.225) and sn["ci_low"] < 0.225 < sn["ci_high"]
+    assert sn["n"] == 6
+    best = "snapkv" if "vs_best" in tv else "tova"                   # a tie at the top: either
+    other = tv if best == "snapkv" else sn
+    assert other["vs_best"] == {"rule": best, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0, "tie": True}
+    assert pk["vs_best"]["diff"] == pytest.approx(-0.02) and not pk["vs_best"]["tie"]
+    assert pk["vs_best"]["ci_low"] == pytest.approx(-0.02) and pk["vs_best"]["ci_high"] == pytest.approx(-0.02)
+    # the gap recovered: (0.205 − 0.225)/(0 − 0.225) = +8.9 %, interval around it
+    gap = get[("polykv", "gap", "fidelity_kl")]
+    assert gap["value"] == pytest.approx(0.02 / 0.225, abs=1e-4) and gap["ci_low"] <= gap["value"] <= gap["ci_high"]
     md = report.table(summary, names, [64], ["niah_single_1"])
-    # best uniform by KL is tova (0.1): (0.05 − 0.1)/(0 − 0.1) = +50%; by RULER snapkv (50): (70−50)/(100−50) = +40%
-    assert "fidelity KL: +50.0% (best uniform tova)" in md
-    assert "RULER avg: +40.0% (best uniform snapkv)" in md
-    assert "| 64 | polykv | 70.0 | 70.0 | 0.100 | 0.0500 |" in md
+    assert "| 64 | snapkv | 50.0 | " in md                           # a constant score: no ± part
+    assert "polykv @ 64, gap recovered on fidelity_kl: +8.9%" in md
+    assert "polykv -0.02 [-0.02, -0.02]" in md and " tie" in md
+
+
+def test_torn_last_line_is_dropped_and_the_run_resumes(tmp_path, capsys):
+    f = tmp_path / "samples.jsonl"
+    f.write_text('{"key": "a", "x": 1}\n{"key": "b", "x": 2}\n{"key": "c", "x"')
+    rows = E.read_rows(f)
+    assert [r["key"] for r in rows] == ["a", "b"]
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("warning:") and "torn last line" in err and "\n" not in err
+    assert f.read_text() == '{"key": "a", "x": 1}\n{"key": "b", "x": 2}\n'    # appends continue cleanly
+    assert E.read_rows(f) == rows and capsys.readouterr().err == ""
+
+
+def test_policy_and_summary_writes_are_atomic(tmp_path, monkeypatch):
+    """A write killed before its rename leaves the old file whole (no half-written JSON)."""
+    import polykv as P
+    f = tmp_path / "policy.json"
+    pol = P.Policy.uniform("tova", 8, 2)
+    pol.save(f)
+    before = f.read_text()
+    real = P.os.replace
+    monkeypatch.setattr(P.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        P.Policy.uniform("h2o", 8, 2).save(f)
+    monkeypatch.setattr(P.os, "replace", real)
+    assert f.read_text() == before and P.Policy.load(f).layers == pol.layers
+
+
+def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
+    """An unpadded cache allocates exactly its entries; under --memory equal an appending
+    method (SnapKV) and an evicting one (TOVA) reach the same peak while decoding."""
+    import methods as MT
+    import polykv as P
+    m, _ = M.load(tiny_dir, device="cpu", dtype=torch.float64)
+    x = torch.randint(0, 200, (1, 60), generator=torch.Generator().manual_seed(0))
+    cont = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(1))
+    L, G = m.config.n_layers, m.config.n_kv_heads
+    snap = P.Policy.uniform("snapkv", 16, L).with_allowance(9)
+    tova = P.Policy.uniform("tova", 16, L).with_allowance(9)
+    full, obs = MT.observe_for(m, x, [snap, tova])
+    peaks = []
+    for pol in (snap, tova):
+        cache = pol.compress(m, full, obs)
+        assert cache.allocated() == cache.entries() == L * G * 16
+        assert not pol.evicts_within(60, 9) and P.Policy.uniform("tova", 16, L).evicts_within(60, 9)
+        _, peak = E.teacher_force(m, cache, cont, pol.decoder, stepwise=True)
+        peaks.append(peak)
+    assert peaks[0] == peaks[1] == (L * G * (16 + 8), L * G * (16 + 8))
+    _, evicting = E.teacher_force(m, P.Policy.uniform("tova", 16, L).compress(m, full, obs), cont,
+                                  P.Policy.uniform("tova", 16, L).decoder, stepwise=True)
+    assert evicting == (L * G * 16, L * G * 16)                       # the paper's protocol
 
 
 @pytest.mark.parametrize("argv, msg", [
@@ -114,6 +193,7 @@ def test_summary_table_and_gap():
     (["--budget", "0"], "error: budget must be >= 1, got 0"),
     (["--tasks", "nope"], "error: unknown task 'nope'; choose from niah_single_1"),
     (["--model", "/nonexistent/dir"], "error: model folder '/nonexistent/dir' does not exist"),
+    (["--device", "cuda"], "error: --device cuda: no CUDA device is available here"),
 ])
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)

@@ -186,7 +186,7 @@ def test_cwe_long_context_setting(tok):
 # ----------------------------------------------------------------------------- natural text
 
 def test_fidelity_text_is_real_consecutive_text(tok):
-    text = tasks.source_text("eval")
+    text = tasks.source_text("test")
     seen = []
     for index in range(4):
         p, c = tasks.fidelity_text(tok, 300, 40, seed=0, index=index)
@@ -203,7 +203,7 @@ def test_calibration_texts_come_from_the_other_half(tok):
     from pydoc_data.topics import topics
     keys = sorted(topics)
     assert not set(keys[0::2]) & set(keys[1::2])        # the split: even / odd sorted topics
-    calib, evaluation = tasks.source_text("calib"), tasks.source_text("eval")
+    calib, evaluation = tasks.source_text("dev"), tasks.source_text("test")
     pairs = tasks.calibration_texts(tok, 5, 300, 40, seed=0)
     assert len(pairs) == 5 and len({tuple(p) for p, _ in pairs}) == 5
     for p, c in pairs:
@@ -346,6 +346,38 @@ def test_load_longbench_malformed_line_is_a_one_line_error(tmp_path, tok, bad, m
     assert "\n" not in str(e.value)
 
 
+def test_longbench_chat_template_and_samsum_stop(tmp_path):
+    """A checkpoint folder with a small chat template: chat datasets become its user turn
+    (rendered as transformers does, encoded without a second BOS), NO_CHAT datasets stay raw;
+    samsum's greedy answer also stops at the newline token (LongBench pred.py)."""
+    pytest.importorskip("jinja2")
+    import evaluate
+    btok = _byte_tokenizer(tmp_path / "tokenizer.json", bos=True)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
+        "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
+                         "{% endfor %}{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}"}))
+    chat_tok = checkpoint.Tokenizer(tmp_path / "tokenizer.json", btok.bos_id, (0,))
+    assert chat_tok.chat("hi") == "<s><|user|>\nhi<|assistant|>\n"        # trim_blocks eats "%}\n"
+    data = tmp_path / "data"
+    data.mkdir()
+    row = {"input": "Who?", "context": "Ann met Bob.", "answers": ["Ann"]}
+    for d in ("hotpotqa", "trec", "samsum"):
+        _write_jsonl(data / f"{d}.jsonl", [row])
+    hot, trec, sam = tasks.load_longbench(data, chat_tok, max_length=400)
+    raw = tasks.LONGBENCH_PROMPTS["hotpotqa"].format(context="Ann met Bob.", input="Who?")
+    assert hot.templated and hot.prompt == "<s><|user|>\n" + raw + "<|assistant|>\n"
+    ids = chat_tok.encode(hot.prompt, add_special_tokens=False)
+    assert ids.count(btok.bos_id) == 1 and ids[0] == btok.bos_id and hot.n_tokens == len(ids)
+    assert not trec.templated and not sam.templated
+    assert trec.prompt == tasks.LONGBENCH_PROMPTS["trec"].format(context="Ann met Bob.", input="Who?")
+    newline = chat_tok.encode("\n", add_special_tokens=False)[-1]
+    assert evaluate.stop_ids(chat_tok, sam) == {0, newline} and evaluate.stop_ids(chat_tok, hot) == {0}
+    # without a template (the embedded GGUF conversion) every dataset is prompted raw
+    plain = tasks.load_longbench(data, btok, max_length=400)[0]
+    assert not plain.templated and plain.prompt == raw
+
+
 def test_load_longbench_bad_folder(tmp_path, tok):
     with pytest.raises(model.UsageError, match="does not exist"):
         tasks.load_longbench(tmp_path / "nope", tok, 100)
@@ -373,6 +405,19 @@ def smol():
 
 
 @pytest.mark.embedded
+def test_reference_fidelity_passages_are_disjoint(smol):
+    """evaluate.py --suite reference: 32 test passages of 1,792 + 64 tokens, none overlapping."""
+    text = tasks.source_text("test")
+    spans = []
+    for i in range(32):
+        p, c = tasks.fidelity_text(smol, 1792, 64, seed=0, index=i, split="test")
+        passage = smol.decode(p + c)
+        spans.append((text.index(passage), text.index(passage) + len(passage)))
+    spans.sort()
+    assert all(a[1] <= b[0] for a, b in zip(spans, spans[1:]))
+
+
+@pytest.mark.embedded
 @pytest.mark.parametrize("name", sorted(tasks.RULER_TASKS))
 def test_embedded_tokenizer_fits_every_task_at_2000(smol, name):
     s = tasks.RULER_TASKS[name](smol, 2000, 0, 0)
@@ -384,7 +429,7 @@ def test_embedded_tokenizer_fits_every_task_at_2000(smol, name):
 
 @pytest.mark.embedded
 def test_embedded_tokenizer_longbench_truncation_and_fidelity(tmp_path, smol):
-    row = {"input": "Who wrote it?", "context": tasks.source_text("eval")[:20000], "answers": ["x"]}
+    row = {"input": "Who wrote it?", "context": tasks.source_text("test")[:20000], "answers": ["x"]}
     _write_jsonl(tmp_path / "narrativeqa.jsonl", [row])
     s, = tasks.load_longbench(tmp_path, smol, 1000)
     assert abs(s.n_tokens - 1000) <= 4 and s.prompt.startswith("You are given a story")
