@@ -21,9 +21,9 @@ Construction: r_{l,φ} = the pool rule with the best preference (ties: earlier i
 b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, largest-remainder rounded.
 
 [choices] (SPEC.md §4 leaves them open):
-- Calibration set: `tasks.calibration_texts`, passages of Python's `pydoc_data.topics` at odd
-  positions of the sorted topic keys; evaluation text uses the even ones, so none is scored
-  later. Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64
+- Calibration set: `tasks.calibration_texts`, passages of the *dev* split of Python's
+  `pydoc_data.topics` (odd positions of the sorted topic keys, minus every paragraph that also
+  occurs at an even position); the test split uses the even ones, so none is scored later. Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64
   held-out tokens; the seed picks the passages' offset. Cost: 2 prefills + L·(4 + 3)·2 = 420
   single-layer probes + 8 uniform baselines: 5 min 19 s at B = 512 on a quiet 2-core CPU.
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
@@ -63,6 +63,9 @@ from errors import UsageError
 from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings
 
+# the calibration text; a cached policy calibrated on another text is never reused (file name)
+TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
+TEXT_VERSION = "dev2"
 # prefill patterns (SPEC.md §4): every registered rule but the random floor
 POOL = tuple(name for name, r in rules.RULES.items() if r.pool)
 # decode patterns that evict at a fixed budget (every decode form but append)
@@ -289,7 +292,7 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
     M.check_length(model, T + n)
     sig = measure(model, texts, budget, preference, settings, log)
     meta = {"model": model_name, "seed": seed, "calibration": {
-        "source": "pydoc_data.topics, odd sorted topics (tasks.calibration_texts)" if tok else "given",
+        "source": TEXT if tok else "given",
         "n_prompts": len(texts), "prompt_len": T, "cont_len": n}}
     return build(sig, budget, preference, sensitivity, b_min, cap=T, horizon=n,
                  settings=settings, meta=meta)
@@ -299,7 +302,7 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
                **kw) -> Policy:
     """Calibrate once per (model name, budget, seed) and keep the JSON; later calls load it."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
-    path = Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}.json"
+    path = Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}-{TEXT_VERSION}.json"
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}

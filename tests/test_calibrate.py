@@ -289,7 +289,7 @@ def test_policy_for_caches_and_checks_layers(tmp_path):
     m, tx = tiny(4), texts(4)
     first = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, settings=SET, cont_len=N)
     files = list(tmp_path.iterdir())
-    assert [f.name for f in files] == ["polykv-tiny_x-B10-seed7.json"]
+    assert [f.name for f in files] == [f"polykv-tiny_x-B10-seed7-{C.TEXT_VERSION}.json"]
     marked = P.Policy(first.layers, first.budget, first.settings, {**first.meta, "mark": 1})
     marked.save(files[0])                         # a later call loads the file, no recalibration
     again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path)
