@@ -62,8 +62,9 @@ Files: steps 1-4 (probes, head weights ω, value flow R, slots), the floor and t
 here, in the write-up's order; a node's prototype and distortion are in prototypes.py; the
 budget flow (step 5: the greedy, the cache it assembles) is in budgetflow.py.
 
-Cost: the observation recomputes each layer's attention once, in query chunks, for the hops
-(skipped when hops = 0); nodes are evaluated lazily, batched over all units (see `allocate`).
+Cost: the value flow shares the one observation pass over each layer's attention with the other
+methods' statistics (methods.observe_layer); nodes are evaluated lazily, batched over all units
+(see budgetflow.allocate).
 """
 from __future__ import annotations
 
@@ -99,12 +100,11 @@ class Settings:
     floor_frac: float = 0.95  # singleton floor: share of the non-window budget [choice: measured, see docstring]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
-    chunk: int = 512          # query rows per attention chunk while observing (memory only)
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
 
     def __post_init__(self):
-        if min(self.window, self.slot_min, self.bend_width, self.chunk, self.prefetch) < 1:
-            raise UsageError("window, slot_min, bend_width, chunk and prefetch must be >= 1")
+        if min(self.window, self.slot_min, self.bend_width, self.prefetch) < 1:
+            raise UsageError("window, slot_min, bend_width and prefetch must be >= 1")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
         if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and self.hops >= 0):
@@ -114,14 +114,16 @@ class Settings:
 # ----------------------------------------------------------------------------- observation
 
 def flow_needs(s: Settings) -> methods.FlowNeeds:
-    """What GraceKV observes during the prefill: the probes and the value flow (methods.value_flow)."""
-    return methods.FlowNeeds(s.window, s.hops, s.chunk)
+    """What GraceKV observes during the prefill: the probes and the value flow (methods.observe_layer)."""
+    return methods.FlowNeeds(s.window, s.hops)
 
 
 @torch.no_grad()
-def observe(model, tokens, settings: Optional[Settings] = None):
-    """Full prefill of tokens (1, T) observing GraceKV's probes and flow: (FullKV cache, Flow)."""
-    full, obs = methods.observe(model, tokens, methods.Needs(flow=flow_needs(settings or Settings())))
+def observe(model, tokens, settings: Optional[Settings] = None, chunk: int = 256):
+    """Full prefill of tokens (1, T) observing GraceKV's probes and flow: (FullKV cache, Flow).
+    chunk: query rows per chunk of the observation pass (memory only)."""
+    needs = methods.Needs(chunk=chunk, flow=flow_needs(settings or Settings()))
+    full, obs = methods.observe(model, tokens, needs)
     return full, obs.flow
 
 

@@ -9,7 +9,8 @@ GraceKV, each ablation) is a `Method` — the shape of NVIDIA/kvpress's presses:
                                hooks whose cache_update evicts after each step (model.decode);
   prefill(model, tokens)       observe + compress for one method alone.
 `observe(model, tokens, union(needs...))` runs the prefill once for several methods: the union
-of their needs, each statistic computed once, in query chunks (never a whole (H, T, T) map).
+of their needs, each layer's attention computed once, in query chunks over the causal key range
+(never a whole (H, T, T) map).
 
 Statistics (SPEC.md notation, A[h,i,j] the causal attention in fp32, per query head (B, H, T)):
   colsum  Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
@@ -19,11 +20,11 @@ Statistics (SPEC.md notation, A[h,i,j] the causal attention in fp32, per query h
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 
 import model as M
 from cache import Cache
@@ -37,34 +38,33 @@ class FlowNeeds:
     """GraceKV's observation: probes = the last `window` queries, value flow over `hops` hops."""
     window: int = 32
     hops: int = 2
-    chunk: int = 512      # query rows per attention chunk (memory only)
 
 
 @dataclass(frozen=True)
 class Needs:
     stats: tuple = ()     # per layer, a frozenset of STATS names
     window: int = 32      # w of the `window` statistic
-    chunk: int = 256      # query rows per chunk while reducing the statistics (memory only)
+    chunk: int = 256      # query rows per chunk of the observation pass (memory only)
     flow: Optional[FlowNeeds] = None
 
 
 def union(needs: list, n_layers: int) -> Needs:
     """What a shared prefill must observe for all of `needs`: per layer the union of the
-    statistics, GraceKV's flow with the most hops. Methods must agree on windows and chunks."""
+    statistics, GraceKV's flow with the most hops, the smallest chunk. Methods must agree on
+    the observation window of each kind."""
     stats = [frozenset()] * n_layers
-    shape, flow = None, None
+    window, flow, chunk = None, None, min([n.chunk for n in needs] or [256])
     for n in needs:
         if any(n.stats):
-            if shape not in (None, (n.window, n.chunk)):
-                raise UsageError(f"methods observe with different windows/chunks: {shape} vs {(n.window, n.chunk)}")
-            shape = (n.window, n.chunk)
+            if window not in (None, n.window):
+                raise UsageError(f"methods observe with different windows: {window} vs {n.window}")
+            window = n.window
             stats = [a | b for a, b in zip(stats, n.stats)]
         if n.flow is not None:
-            if flow is not None and (flow.window, flow.chunk) != (n.flow.window, n.flow.chunk):
+            if flow is not None and flow.window != n.flow.window:
                 raise UsageError(f"GraceKV variants observe with different windows: {flow} vs {n.flow}")
             flow = n.flow if flow is None or n.flow.hops > flow.hops else flow
-    w, c = shape or (32, 256)
-    return Needs(tuple(stats), w, c, flow)
+    return Needs(tuple(stats), window or 32, chunk, flow)
 
 
 @dataclass
@@ -109,67 +109,61 @@ class Method:
 
 # ----------------------------------------------------------------------------- statistics
 
-def attention_stats(q, q_pos, lc, names, window: int, chunk: int) -> dict:
-    """Per-head attention statistics `names` of the new queries q (B, H, T, D) over the layer
-    cache lc, each (B, H, S) fp32. Queries are processed chunk by chunk (all of them for colsum,
-    only the last w otherwise), so at most (B, H, chunk, S) probabilities exist at once."""
-    T = q.shape[2]
-    first = 0 if "colsum" in names else max(0, T - window) if "window" in names else T - 1
-    out = {}
-    for a in range(first, T if names else first, chunk):
-        b = min(a + chunk, T)
-        p = M.attention_probs(q[:, :, a:b], lc.k, lc.bias, q_pos[:, a:b], lc.pos)  # (B, H, b−a, S)
-        parts = {"colsum": p.sum(2),                                          # Σ_{all i} A[h,i,j]
-                 "window": p[:, :, max(0, T - window - a):].sum(2),           # Σ_{i ≥ T−w} A[h,i,j]
-                 "last": p[:, :, -1] if b == T else None}                     # A[h,T−1,j]
-        for k in names:
-            if parts[k] is not None:
-                out[k] = out[k] + parts[k] if k in out and k != "last" else parts[k]
-    return out
+def observe_layer(q, q_pos, lc, names, window: int, chunk: int, flow: Optional[FlowNeeds]):
+    """Every requested statistic of one layer from one pass over its attention.
 
-
-def value_flow(q, lc, need: FlowNeeds):
-    """GraceKV's probes (H, r, D) and value flow x (hops+1, G, T) of one layer (batch 1).
-
+    q (B, H, T, D) are the prompt's queries and lc its fresh FullKV cache (key j at position j,
+    so query rows [c0, c1) see keys [0, c1) only: the causal key range). Query rows go in
+    descending chunks; each chunk's A (B, H, c, c1) is computed once (model.attention_probs,
+    fp32) and feeds the column sums, the window sums, the last row and GraceKV's value flow:
     x^0_i = Σ_{u ∈ U} Ā[u, i] (U = the last r queries, Ā the group-mean attention) and
-    x^k_i = Σ_j x^{k−1}_j Ā[j, i]. Rows in descending chunks: x^k_i = Σ_{j ≥ i} x^{k−1}_j Ā[j, i]
-    is complete for the chunk's rows once the chunk is added, so all hops take one pass (causal)."""
-    _, H, T, D = q.shape
-    G, r = lc.k.shape[1], min(need.window, T)
-    qq, kk = q[0].reshape(G, H // G, T, D), lc.k[0]              # (G, g, T, D), (G, T, D)
+    x^k_i = Σ_j x^{k−1}_j Ā[j, i] = Σ_{j ≥ i} x^{k−1}_j Ā[j, i], complete for a chunk's rows once
+    that chunk is added, so every hop takes the same pass. Rows no statistic reads are skipped.
+    Returns ({name: (B, H, T)}, (probes (H, r, D), x (hops+1, G, T)) or None)."""
+    B, H, T, D = q.shape
+    G = lc.k.shape[1]
+    assert lc.size == T, "observe_layer reads a fresh prefill (key j at position j)"
+    r = min(flow.window, T) if flow else 0
+    lowest = 0 if "colsum" in names or (flow and flow.hops) else \
+        min([T - 1] + [T - min(window, T)] * ("window" in names) + [T - r] * bool(flow))
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    x = q.new_zeros(need.hops + 1, G, T, dtype=acc)
-    seed = torch.zeros(T, dtype=acc, device=q.device)
-    seed[T - r:] = 1.0                                           # the probe rows u ∈ U
-    for c1 in range(T, 0, -need.chunk):
-        if need.hops == 0 and c1 <= T - r:
-            break                                                # x^0 needs the probe rows only
-        c0 = max(0, c1 - need.chunk)
-        lg = (qq[:, :, c0:c1].to(acc) @ kk[:, None, :c1].to(acc).transpose(-1, -2)) / math.sqrt(D)
-        tri = torch.ones(c1 - c0, c1 - c0, dtype=torch.bool, device=q.device).triu_(1)
-        lg[..., c0:].masked_fill_(tri, float("-inf"))             # (G, g, c, c1) causal
-        A = torch.softmax(lg, -1).mean(1)                         # (G, c, c1) group mean Ā
-        prev = seed[c0:c1].expand(G, -1)                          # (G, c)
-        for k in range(need.hops + 1):
-            x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]          # x^k += x^{k−1}[rows] Ā[rows]
-            prev = x[k, :, c0:c1]
-    return q[0, :, T - r:].contiguous().clone(), x
+    out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
+    if flow:
+        x = q.new_zeros(flow.hops + 1, G, T, dtype=acc)
+        seed = torch.zeros(T, dtype=acc, device=q.device)
+        seed[T - r:] = 1.0                                           # the probe rows u ∈ U
+    for c1 in range(T, lowest, -chunk):
+        c0 = max(lowest, c1 - chunk)
+        p = M.attention_probs(q[:, :, c0:c1], lc.k[:, :, :c1], lc.bias[:, :, :c1],
+                              q_pos[:, c0:c1], lc.pos[:, :, :c1])    # (B, H, c, c1)
+        if "colsum" in names:
+            out["colsum"][..., :c1] += p.sum(2)                      # Σ_{all i} A[h,i,j]
+        if "window" in names and c1 > T - window:
+            out["window"][..., :c1] += p[:, :, max(0, T - window - c0):].sum(2)   # Σ_{i ≥ T−w}
+        if "last" in names and c1 == T:
+            out["last"] = F.pad(p[:, :, -1], (0, T - c1))            # A[h,T−1,j]
+        if flow:
+            A = p[0].view(G, H // G, c1 - c0, c1).mean(1)            # (G, c, c1) group mean Ā
+            prev = seed[c0:c1].expand(G, -1)                         # (G, c)
+            for k in range(flow.hops + 1):
+                x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]         # x^k += x^{k−1}[rows] Ā[rows]
+                prev = x[k, :, c0:c1]
+    return out, ((q[0, :, T - r:].contiguous().clone(), x) if flow else None)
 
 
 @torch.no_grad()
 def observe(model, tokens, needs: Needs):
     """One full-attention prefill of tokens (B, T) recording what `needs` asks for, layer by
-    layer: (FullKV cache, Observation)."""
+    layer, each layer's attention computed once: (FullKV cache, Observation)."""
     L = model.config.n_layers
     per_layer = needs.stats or (frozenset(),) * L
     obs = Observation([dict() for _ in range(L)],
                       Flow(needs.flow.window, [None] * L, [None] * L) if needs.flow else None)
 
     def post_kernel(layer, q, q_pos, lc, out):
-        if per_layer[layer]:
-            obs.stats[layer] = attention_stats(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk)
-        if needs.flow is not None:
-            obs.flow.probes[layer], obs.flow.flow[layer] = value_flow(q, lc, needs.flow)
+        obs.stats[layer], fl = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.flow)
+        if fl is not None:
+            obs.flow.probes[layer], obs.flow.flow[layer] = fl
 
     hooks = M.Hooks(post_kernel=post_kernel) if any(per_layer) or needs.flow else None
     return M.prefill(model, tokens, hooks), obs

@@ -10,7 +10,8 @@ import prototypes as PR
 import model as M
 from model import Config, Llama
 
-SET = GK.Settings(window=4, slot_min=3, slot_max=8, bend_width=2, chunk=5, prefetch=3)
+SET = GK.Settings(window=4, slot_min=3, slot_max=8, bend_width=2, prefetch=3)
+CHUNK = 5                    # observation chunk: several chunks on tiny prompts
 
 
 def tiny(seed=0, L=2, H=4, G=2):
@@ -77,10 +78,10 @@ def attention_maps(m, x):
 
 @given(st.integers(12, 40), st.integers(0, 3), st.integers(0, 3))
 def test_value_flow_and_head_weight_equal_naive(T, seed, hops):
-    m, s = tiny(seed), GK.Settings(window=4, slot_min=3, slot_max=8, chunk=3, hops=hops)
+    m, s = tiny(seed), GK.Settings(window=4, slot_min=3, slot_max=8, hops=hops)
     x = tokens(seed, T)
     full, maps, qs, outs = attention_maps(m, x)
-    _, stats = GK.observe(m, x, s)
+    _, stats = GK.observe(m, x, s, chunk=3)
     G, H, r = 2, 4, 4
     for l in range(2):
         Abar = maps[l].view(G, H // G, T, T).mean(1)                          # (G, T, T) group mean
@@ -154,7 +155,7 @@ def naive_node(cx, j, toks, s):
 @given(st.integers(16, 40), st.integers(0, 3))
 def test_prototype_and_distortion_equal_naive(T, seed):
     m = tiny(seed)
-    full, stats = GK.observe(m, tokens(seed, T), SET)
+    full, stats = GK.observe(m, tokens(seed, T), SET, chunk=CHUNK)
     cx = GK.context(m, full, stats, 4, SET)
     g = torch.Generator().manual_seed(seed)
     U, Tc = cx.units.kr.shape[0], cx.Tc
@@ -216,7 +217,7 @@ def replay(plan, B_alloc):
 def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac):
     B = data.draw(st.integers(1, T - 1))
     m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "floor_frac": floor_frac})
-    full, stats = GK.observe(m, tokens(seed, T), s)
+    full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cache, plan = GK.compress(m, full, stats, B, s, return_plan=True)
     L, G = 2, 2
     assert cache.entries() <= L * G * B
@@ -288,7 +289,7 @@ def test_budget_at_least_T_is_fullkv(T, seed):
 def test_greedy_to_all_leaves_is_fullkv(T, seed):
     """With B_alloc = every context token of every unit, the greedy ends in exact leaves only."""
     m, x, s = tiny(seed), tokens(seed, T + 5), SET
-    full, stats = GK.observe(m, x[:, :T], s)
+    full, stats = GK.observe(m, x[:, :T], s, chunk=CHUNK)
     want = M.decode(m, x[:, T:], copy(full))
     cx = GK.context(m, full, stats, s.window, s)
     plan = GK.allocate(cx, cx.units.kr.shape[0] * cx.Tc)
