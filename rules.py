@@ -43,6 +43,8 @@ class RuleSettings:
     beta: float = 20.0    # PyramidKV's ratio max/min of selected tokens (KVCache-Factory default)
     seed: int = 0         # the `random` floor's seed
     chunk: int = 256      # queries per chunk when reducing H2O's column sums
+    pool: str = "max"     # SnapKV's pooling over j: "max" (SnapKV, KVCache-Factory) or "avg" (kvpress)
+    tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
 
     def __post_init__(self):
         for name in ("window", "kernel", "chunk"):
@@ -50,6 +52,22 @@ class RuleSettings:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.n_sink < 0 or self.beta <= 1:
             raise UsageError(f"need n_sink >= 0 and beta > 1, got {self.n_sink}, {self.beta}")
+        if self.pool not in ("max", "avg"):
+            raise UsageError(f"pool must be 'max' or 'avg', got {self.pool!r}")
+
+
+# NVIDIA kvpress 0.5.5's conventions (kvpress/presses/*_press.py), where they differ from the
+# papers' reference code that the defaults follow:
+#   SnapKV        window 64 (ours 32), kernel 5 (ours 7), *average* pooling with zero padding
+#                 counted (ours: max), window attention averaged rather than summed (the same
+#                 ranking: a constant factor 1/w on every score);
+#   StreamingLLM  4 sinks + the most recent: the same kept set;
+#   TOVA          the last query's attention over keys < T−1, mean over all heads, the last
+#                 token always kept (ours scores all T keys and protects none);
+#   K-norm        −‖k‖: the same.
+# kvpress picks the kept set with torch.topk (ties unspecified) for n_kept = max(1, int(T·(1 − r)))
+# at compression ratio r; this project's `select` breaks ties toward the later position.
+KVPRESS = RuleSettings(window=64, kernel=5, n_sink=4, pool="avg", tova_keep_last=True)
 
 
 @dataclass
@@ -123,7 +141,10 @@ def tova(x: ScoreInput):
     """TOVA (Oren et al. 2024, `src/tova_cache.py`): s_j = mean_h A[h,T−1,j] over all H heads
     of the layer, one kept set shared by its KV heads."""
     B, G, T = x.shape
-    return x.stats["last"].mean(1, keepdim=True).expand(B, G, T), none_protected(T)
+    sc = x.stats["last"].mean(1, keepdim=True).expand(B, G, T)
+    if x.settings.tova_keep_last:        # kvpress: scores of keys < T−1, the last token kept
+        return sc, torch.arange(T) == T - 1
+    return sc, none_protected(T)
 
 
 @rule("snapkv", needs={"window"})
@@ -135,7 +156,8 @@ def snapkv(x: ScoreInput):
     s = x.settings
     win = x.stats["window"][:, :, : max(T - s.window, 0)]                     # (B, H, T−w)
     if win.shape[2]:
-        win = F.max_pool1d(win, s.kernel, stride=1, padding=s.kernel // 2)    # (B, H, T−w)
+        pool = F.max_pool1d if s.pool == "max" else F.avg_pool1d              # avg: kvpress
+        win = pool(win, s.kernel, stride=1, padding=s.kernel // 2)            # (B, H, T−w)
     sc = torch.cat((group_mean(win, G), win.new_zeros(B, G, T - win.shape[2])), 2)
     return sc, recent(T, s.window)
 

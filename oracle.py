@@ -1,0 +1,253 @@
+"""A spec oracle for faster implementations: dump what a method keeps, compare two dumps.
+
+A faster implementation of a rule (a Triton kernel, a serving engine's eviction code) is checked
+against this one through a *reference file*: for one model, prompt, method and budget,
+
+  tokens     (T,)        int64   the prompt
+  pos        (L, G, S)   int64   kept positions per (layer, KV head), ascending; −1 = padding
+  bias       (L, G, S)   fp32    additive logit per entry: 0 token, log m GraceKV prototype, −inf pad
+  scores     (L, G, T)   fp32    the rule's scores (higher = keep; +inf = protected), when the
+                                 method is one rule
+  out        (L, H, P+n, D) fp32 attention output of each layer over the compressed cache for
+                                 P probe queries (the last P prompt positions) and n decode steps
+  full_out   (L, H, P+n, D) fp32 the same queries over the FullKV cache
+
+in one safetensors file whose metadata holds a JSON header under "oracle": format, model,
+method, budget, settings, versions, P, n, decode_tokens. The decode steps feed FullKV's greedy
+tokens (`decode_tokens`) to both caches, appending (no decode-time eviction), so `out` compares
+attention kernels over the same kept set. Probe queries are each layer's own queries from the
+FullKV pass; they see the compressed cache's entries with position <= theirs.
+
+`compare(a, b)` reports per unit exact-set agreement, Jaccard, where two selections first differ
+(the rank in a's score order and the score margin to a's selection boundary there: a near-tie is
+not a bug), the largest bias difference on shared entries and the attention-output error
+‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error below
+`tol`. Command line: `python oracle.py dump ...` and `python oracle.py compare A B` (exit 0 on
+pass, 1 on fail). README "Test your implementation against this one" shows the format from the
+other side.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+import gracekv
+import methods as MT
+import model as M
+import polykv as P
+import rules
+import tasks as TK
+from errors import UsageError
+
+FORMAT = "kvcache-oracle/1"
+CONVENTIONS = {"paper": rules.RuleSettings(), "kvpress": rules.KVPRESS}
+
+
+def make_method(name: str, budget: int, n_layers: int, settings=None, policy=None) -> MT.Method:
+    """A method by its evaluate.py name: a rule, pyramidkv, a gracekv variant, or polykv (needs
+    a policy file)."""
+    s = settings or rules.RuleSettings()
+    if name in rules.RULES or name == "full":
+        return P.Policy.uniform(name, budget, n_layers, decode="append", settings=s)
+    if name == "pyramidkv":
+        return P.Pyramid(budget, s)
+    if name in gracekv.VARIANTS:
+        return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
+    if name == "polykv":
+        if policy is None:
+            raise UsageError("polykv needs --policy FILE (python calibrate.py --out FILE)")
+        pol = P.Policy.load(policy, n_layers=n_layers)
+        pol = pol if pol.budget == budget else pol.rescaled(budget)
+        return P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode[1])) for lp in pol.layers],
+                        pol.budget, pol.settings, pol.meta)
+    choices = ["full", *rules.RULES, "pyramidkv", *gracekv.VARIANTS, "polykv"]
+    raise UsageError(f"unknown method {name!r}; choose from {', '.join(choices)}")
+
+
+@torch.no_grad()
+def dump(model, tokens: torch.Tensor, method: MT.Method, name: str, budget: int, n_probe: int = 8,
+         n_decode: int = 4, model_name: str = "") -> tuple:
+    """(tensors, header) of the reference file for tokens (1, T)."""
+    T, L = tokens.shape[1], model.config.n_layers
+    full, obs = MT.observe(model, tokens, method.needs(model))
+    cache = method.compress(model, full, obs)
+    S = max(lc.size for lc in cache.layers)
+    pad = lambda x, v: torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
+    t = {"tokens": tokens[0].cpu(),
+         "pos": torch.stack([pad(lc.pos[0], -1) for lc in cache.layers]).cpu(),                # (L, G, S)
+         "bias": torch.stack([pad(lc.bias[0].float(), -math.inf) for lc in cache.layers]).cpu()}
+    if isinstance(method, P.Policy) and len({lp.prefill[0] for lp in method.layers}) == 1 \
+            and method.layers[0].prefill[0] in rules.RULES:
+        rule = method.layers[0].prefill[0]
+        sc = []
+        for l in range(L):
+            s, prot = rules.score(rule, rules.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings))
+            sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
+        t["scores"] = torch.stack(sc).float().cpu()                                           # (L, G, T)
+    # probe queries: each layer's queries at the last P prompt positions, over both caches
+    P_ = min(n_probe, T)
+    qs = {}
+    spy = lambda l, q, q_pos, lc, out: qs.__setitem__(l, (q[:, :, -P_:], q_pos[:, -P_:]))
+    M.prefill(model, tokens, M.Hooks(post_kernel=spy))
+    outs = {"out": [], "full_out": []}
+    for key, c in (("out", cache), ("full_out", full)):
+        for l in range(L):
+            q, qp = qs[l]
+            lc = c.layers[l]
+            outs[key].append([M.attention(q, lc.k, lc.v, lc.bias, qp, lc.pos)[0].float()])     # (H, P, D)
+    # decode steps: FullKV's greedy tokens fed to both caches (append)
+    dec = M.greedy(model, full.fork(), n_decode)
+    for key, c in (("out", cache.fork()), ("full_out", full.fork())):
+        seen = {}
+        hook = M.Hooks(post_kernel=lambda l, q, q_pos, lc, out: seen.setdefault(l, []).append(out[0].float()))
+        for tok_id in dec:
+            model.step(torch.tensor([[tok_id]], device=tokens.device), c, hook)
+        for l in range(L):
+            outs[key][l] += seen.get(l, [])
+    for key in outs:
+        t[key] = torch.stack([torch.cat(o, 1) for o in outs[key]]).cpu()                       # (L, H, P+n, D)
+    header = {"format": FORMAT, "model": model_name, "method": name, "budget": budget,
+              "settings": getattr(method, "settings", None).__dict__ if getattr(method, "settings", None) else {},
+              "P": P_, "n": len(dec), "decode_tokens": dec,
+              "versions": {"torch": torch.__version__, "python": platform.python_version()}}
+    return t, header
+
+
+def write(path, tensors: dict, header: dict):
+    """One safetensors file; the header as JSON in its metadata under "oracle"."""
+    from safetensors.torch import save_file
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"oracle": json.dumps(header)})
+
+
+def read(path) -> tuple:
+    from safetensors import SafetensorError, safe_open
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {}).get("oracle", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (OSError, ValueError, SafetensorError) as e:       # JSONDecodeError is a ValueError
+        raise UsageError(f"cannot read {str(path)!r} as a reference file: {e}")
+    missing = {"tokens", "pos", "bias", "out", "full_out"} - tensors.keys()
+    if header.get("format") != FORMAT or missing:
+        raise UsageError(f"{str(path)!r} is not a {FORMAT} file (missing {sorted(missing) or 'header'})")
+    return tensors, header
+
+
+def first_divergence(scores: torch.Tensor, a: set, b: set, k: int):
+    """(rank, margin): the first rank in the score order (descending, ties to the later
+    position) whose token is kept by one selection only, and its score minus the score at rank
+    k (just outside a selection of k); None if the two agree."""
+    T = scores.shape[0]
+    order = (T - 1) - torch.sort(scores.double().flip(0), descending=True, stable=True).indices
+    for rank, j in enumerate(order.tolist()):
+        if (j in a) != (j in b):
+            edge = float(scores[order[min(k, T - 1)]])
+            return rank, float(scores[j]) - edge
+    return None
+
+
+def compare(a_path, b_path, tol: float = 1e-3) -> dict:
+    """Agreement of two reference files (a = the reference): per unit and in summary."""
+    (a, ha), (b, hb) = read(a_path), read(b_path)
+    if not torch.equal(a["tokens"], b["tokens"]):
+        raise UsageError("the two files are for different prompts")
+    if a["pos"].shape[:2] != b["pos"].shape[:2]:
+        raise UsageError(f"different (layers, KV heads): {tuple(a['pos'].shape[:2])} vs {tuple(b['pos'].shape[:2])}")
+    L, G = a["pos"].shape[:2]
+    units = []
+    for l in range(L):
+        for g in range(G):
+            pa, pb = a["pos"][l, g], b["pos"][l, g]
+            A, B = set(pa[pa >= 0].tolist()), set(pb[pb >= 0].tolist())
+            u = {"layer": l, "head": g, "equal": A == B, "jaccard": len(A & B) / max(1, len(A | B)),
+                 "kept": (len(A), len(B))}
+            ba = {p: float(x) for p, x in zip(pa.tolist(), a["bias"][l, g].tolist()) if p >= 0}
+            bb = {p: float(x) for p, x in zip(pb.tolist(), b["bias"][l, g].tolist()) if p >= 0}
+            u["bias_err"] = max([abs(ba[p] - bb[p]) for p in A & B] or [0.0])
+            if A != B and "scores" in a:
+                u["diverge"] = first_divergence(a["scores"][l, g], A, B, len(A))
+            units.append(u)
+    err = [float((a["out"][l] - b["out"][l]).norm() / a["full_out"][l].norm().clamp(min=1e-30)) for l in range(L)]
+    bad = [u for u in units if not u["equal"] or u["bias_err"] > 1e-5]
+    return {"a": ha, "b": hb, "units": units, "out_err": err, "bad": bad,
+            "passed": not bad and max(err) <= tol, "tol": tol}
+
+
+def summary(res: dict) -> str:
+    """One screen: the verdict, the disagreeing units (first ten), the output error."""
+    units, bad = res["units"], res["bad"]
+    lines = [f"{res['a']['method']} B={res['a']['budget']} vs {res['b']['method']} B={res['b']['budget']}: "
+             f"{len(units) - len(bad)}/{len(units)} (layer, KV head) units agree "
+             f"({100 * (len(units) - len(bad)) / len(units):.1f} %), mean Jaccard "
+             f"{sum(u['jaccard'] for u in units) / len(units):.4f}, attention-output error max "
+             f"{max(res['out_err']):.2e} (tol {res['tol']:.0e})"]
+    for u in bad[:10]:
+        d = u.get("diverge")
+        where = f", first differs at rank {d[0]} (score margin {d[1]:+.3e})" if d else ""
+        lines.append(f"  layer {u['layer']} head {u['head']}: kept {u['kept'][0]} vs {u['kept'][1]}, "
+                     f"Jaccard {u['jaccard']:.4f}, bias err {u['bias_err']:.2e}{where}")
+    if len(bad) > 10:
+        lines.append(f"  ... and {len(bad) - 10} more units")
+    lines.append("PASS" if res["passed"] else "FAIL")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Reference files for testing a KV-cache compression implementation.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    d = sub.add_parser("dump", help="write the reference file of one method on one prompt")
+    d.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
+    d.add_argument("--method", required=True)
+    d.add_argument("--budget", type=int, required=True)
+    d.add_argument("--conventions", choices=sorted(CONVENTIONS), default="paper",
+                   help="rule settings: the papers' reference code, or kvpress 0.5.5's")
+    d.add_argument("--policy", default=None, help="PolyKV policy file (method polykv)")
+    d.add_argument("--text", default=None, help="the prompt as text")
+    d.add_argument("--tokens", default=None, help="a JSON file with the prompt's token ids")
+    d.add_argument("--length", type=int, default=2048, help="without --text/--tokens: a test passage of this many tokens")
+    d.add_argument("--probes", type=int, default=8)
+    d.add_argument("--decode", type=int, default=4)
+    d.add_argument("--out", required=True)
+    c = sub.add_parser("compare", help="compare two reference files (the first is the reference)")
+    c.add_argument("a")
+    c.add_argument("b")
+    c.add_argument("--tol", type=float, default=1e-3, help="max attention-output error, relative to FullKV's")
+    args = ap.parse_args(argv)
+    if args.cmd == "compare":
+        res = compare(args.a, args.b, args.tol)
+        print(summary(res))
+        return 0 if res["passed"] else 1
+    print(f"dump: model={args.model or M.default_model_dir()} method={args.method} budget={args.budget} "
+          f"conventions={args.conventions} out={args.out}", flush=True)
+    if args.budget < 1:
+        raise UsageError(f"budget must be >= 1, got {args.budget}")
+    if not Path(args.out).resolve().parent.is_dir():
+        raise UsageError(f"cannot write {args.out!r}: no such folder")
+    m, tok = M.load(args.model, device="cpu")
+    if args.tokens:
+        ids = json.loads(Path(args.tokens).read_text())
+    elif args.text is not None:
+        ids = tok.encode(args.text)
+    else:
+        ids = TK.fidelity_text(tok, args.length, 0)[0]
+    M.check_length(m, len(ids))
+    method = make_method(args.method, args.budget, m.config.n_layers, CONVENTIONS[args.conventions], args.policy)
+    name = Path(args.model).name if args.model else M.default_model_dir().name
+    t, h = dump(m, torch.tensor([ids]), method, args.method, args.budget, args.probes, args.decode, name)
+    h["conventions"] = args.conventions
+    write(args.out, t, h)
+    print(f"wrote {args.out}: {len(ids)} tokens, {int((t['pos'] >= 0).sum())} kept entries")
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except UsageError as e:
+        sys.exit(f"error: {e}")

@@ -1,0 +1,73 @@
+"""Regenerate tests/golden/kvpress_kept.json: the kept sets of NVIDIA kvpress's own presses on a
+tiny random Llama, for tests/test_oracle.py to compare with this project's kvpress conventions
+(rules.KVPRESS). Not part of the test suite; it needs kvpress and transformers, which the project
+does not depend on:
+
+    python -m venv /tmp/kvenv --system-site-packages && /tmp/kvenv/bin/pip install kvpress==0.5.5
+    /tmp/kvenv/bin/python tests/golden/make_kvpress_golden.py
+
+It writes the tiny checkpoint (tests/golden/tiny-llama/, made by this project's model.save from a
+fixed seed) and the kept positions of SnapKV, StreamingLLM, TOVA and K-norm at compression ratio
+0.5, recovered by matching each kept key to the prompt's full keys.
+"""
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent.parent))
+
+import model as M  # noqa: E402
+
+T, RATIO, SEED = 200, 0.5, 0
+
+
+def tiny_checkpoint(folder: Path):
+    torch.manual_seed(SEED)
+    cfg = M.Config(vocab_size=128, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16,
+                   hidden_dim=96, max_seq_len=512, tie_embeddings=False, rope_theta=10000.0,
+                   bos_id=None, eos_ids=(0,))
+    m = M.Llama(cfg)
+    with torch.no_grad():                      # peaked attention, so the presses disagree
+        for blk in m.layers:
+            blk.self_attn.q_proj.weight.mul_(4)
+    M.save(m, folder)
+
+
+def main():
+    import kvpress
+    import transformers
+    from transformers import DynamicCache, LlamaForCausalLM
+    folder = HERE / "tiny-llama"
+    tiny_checkpoint(folder)
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(1, 128, (1, T), generator=torch.Generator().manual_seed(SEED))
+    with torch.no_grad():
+        full = DynamicCache()
+        hf(ids, past_key_values=full)
+    presses = {"snapkv": kvpress.SnapKVPress(RATIO), "streaming": kvpress.StreamingLLMPress(RATIO),
+               "tova": kvpress.TOVAPress(RATIO), "knorm": kvpress.KnormPress(RATIO)}
+    kept = {}
+    for name, press in presses.items():
+        cache = DynamicCache()
+        with torch.no_grad(), press(hf):
+            hf(ids, past_key_values=cache)
+        per_layer = []
+        for l in range(hf.config.num_hidden_layers):
+            k_full, k_kept = full.layers[l].keys[0], cache.layers[l].keys[0]      # (G, T, D), (G, n, D)
+            d = torch.cdist(k_kept, k_full, compute_mode="donot_use_mm_for_euclid_dist")   # (G, n, T)
+            assert float(d.min(-1).values.max()) < 1e-5, "a kept key matches no prompt key"
+            per_layer.append([sorted(row.tolist()) for row in d.argmin(-1)])
+        kept[name] = per_layer
+    out = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
+           "transformers": transformers.__version__, "torch": torch.__version__,
+           "compression_ratio": RATIO, "T": T, "n_kept": len(kept["snapkv"][0][0]),
+           "tokens": ids[0].tolist(), "kept": kept}
+    (HERE / "kvpress_kept.json").write_text(json.dumps(out))
+    print(f"wrote {HERE / 'kvpress_kept.json'}: kvpress {out['kvpress']}, transformers {out['transformers']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,115 @@
+"""The spec oracle: dump/compare round trip, a perturbed file flagged at exactly its unit, and
+the kvpress-convention presets against kept sets produced by kvpress itself."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import checkpoint
+import model as M
+import oracle
+import polykv as P
+import rules
+
+ROOT = Path(__file__).resolve().parent.parent
+GOLDEN = Path(__file__).resolve().parent / "golden"
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = M.Config.from_hf(checkpoint.read_config(GOLDEN / "tiny-llama"))
+    return M.from_state_dict(cfg, checkpoint.read_weights(GOLDEN / "tiny-llama"), "cpu", torch.float32)
+
+
+@pytest.fixture(scope="module")
+def golden():
+    return json.loads((GOLDEN / "kvpress_kept.json").read_text())
+
+
+def kept(tiny, golden, rule, settings):
+    x = torch.tensor([golden["tokens"]])
+    cache = P.Policy.uniform(rule, golden["n_kept"], tiny.config.n_layers, "append", settings).prefill(tiny, x)
+    return [[lc.pos[0, g].tolist() for g in range(tiny.config.n_kv_heads)] for lc in cache.layers]
+
+
+@pytest.mark.parametrize("rule", ["snapkv", "streaming", "tova"])
+def test_kvpress_conventions_reproduce_kvpress_kept_sets(tiny, golden, rule):
+    """rules.KVPRESS on the tiny checkpoint keeps exactly what kvpress 0.5.5's press kept
+    (tests/golden/make_kvpress_golden.py), every (layer, KV head); the project's own defaults
+    (the papers' code) keep other sets for SnapKV and TOVA."""
+    assert kept(tiny, golden, rule, rules.KVPRESS) == golden["kept"][rule]
+    if rule != "streaming":
+        assert kept(tiny, golden, rule, rules.RuleSettings()) != golden["kept"][rule]
+
+
+def test_kvpress_knorm_differs_only_at_exact_ties(tiny, golden):
+    """K-norm: the same kept sets but where two keys have the same fp32 norm (a token repeated
+    in layer 0: RoPE preserves the norm), which kvpress's top-k breaks its own way."""
+    full = M.prefill(tiny, torch.tensor([golden["tokens"]]))
+    ours = kept(tiny, golden, "knorm", rules.KVPRESS)
+    for l, lc in enumerate(full.layers):
+        norms = lc.k[0].norm(dim=-1)                                           # (G, T) fp32
+        for g in range(tiny.config.n_kv_heads):
+            a, b = set(ours[l][g]), set(golden["kept"]["knorm"][l][g])
+            assert len(a - b) == len(b - a)
+            for i, j in zip(sorted(a - b), sorted(b - a)):
+                assert norms[g, i] == norms[g, j]
+
+
+def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
+    x = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(3))
+    method = oracle.make_method("snapkv", 24, tiny.config.n_layers, rules.RuleSettings(window=8, kernel=3))
+    t, h = oracle.dump(tiny, x, method, "snapkv", 24, n_probe=4, n_decode=3, model_name="tiny")
+    assert t["pos"].shape == (2, 2, 24) and t["scores"].shape == (2, 2, 90) and t["out"].shape == (2, 4, 7, 16)
+    a = tmp_path / "a.safetensors"
+    oracle.write(a, t, h)
+    res = oracle.compare(a, a)
+    assert res["passed"] and not res["bad"] and max(res["out_err"]) == 0
+    assert all(u["equal"] and u["jaccard"] == 1 for u in res["units"])
+    # one swapped position in layer 1, head 0: flagged there and nowhere else
+    pos = t["pos"].clone()
+    dropped = int(pos[1, 0, 3])
+    outside = next(j for j in range(90) if j not in set(pos[1, 0].tolist()))
+    pos[1, 0, 3] = outside
+    pos[1, 0] = pos[1, 0].sort().values
+    b = tmp_path / "b.safetensors"
+    oracle.write(b, {**t, "pos": pos}, h)
+    res = oracle.compare(a, b)
+    assert not res["passed"] and [(u["layer"], u["head"]) for u in res["bad"]] == [(1, 0)]
+    u = res["bad"][0]
+    assert u["jaccard"] == pytest.approx(23 / 25) and u["diverge"] is not None
+    order = (89 - torch.sort(t["scores"][1, 0].double().flip(0), descending=True, stable=True).indices).tolist()
+    assert u["diverge"][0] == min(order.index(dropped), order.index(outside))
+    # one changed bias in layer 0, head 1: flagged there only
+    bias = t["bias"].clone()
+    bias[0, 1, 5] += 0.5
+    c = tmp_path / "c.safetensors"
+    oracle.write(c, {**t, "bias": bias}, h)
+    res = oracle.compare(a, c)
+    assert [(u["layer"], u["head"]) for u in res["bad"]] == [(0, 1)] and res["bad"][0]["bias_err"] == 0.5
+
+
+def test_cli_dump_compare_exit_codes(tmp_path):
+    """python oracle.py dump ... then compare: exit 0 on itself, 1 on another method."""
+    tok = json.loads((GOLDEN / "kvpress_kept.json").read_text())["tokens"][:120]
+    (tmp_path / "t.json").write_text(json.dumps(tok))
+    folder = tmp_path / "ckpt"                       # the tiny checkpoint with a tokenizer
+    from tokenizers import Tokenizer, models
+    folder.mkdir()
+    for f in (GOLDEN / "tiny-llama").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
+    run = lambda *a: subprocess.run([sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True)
+    for method, out in (("tova", "a"), ("h2o", "b")):
+        r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method", method,
+                "--budget", "40", "--out", str(tmp_path / f"{out}.st"))
+        assert r.returncode == 0, r.stderr
+    same, other = run("compare", str(tmp_path / "a.st"), str(tmp_path / "a.st")), \
+        run("compare", str(tmp_path / "a.st"), str(tmp_path / "b.st"))
+    assert same.returncode == 0 and "4/4 (layer, KV head) units agree (100.0 %)" in same.stdout
+    assert other.returncode == 1 and other.stdout.strip().endswith("FAIL")
+    bad = run("compare", str(tmp_path / "a.st"), str(tmp_path / "t.json"))
+    assert bad.returncode != 0 and bad.stderr.startswith("error: cannot read") and "Traceback" not in bad.stderr
