@@ -34,6 +34,11 @@ A fair comparison (SPEC.md §6):
 - `--suite reference`: 32 fidelity prompts (1,792 tokens, disjoint passages) and 32
   `niah_single_1` prompts at budgets 128 and 512: the README's headline run.
 
+`torchrun --nproc_per_node N evaluate.py ...` shards the items over N processes (gloo on CPU,
+nccl on GPU, one GPU per rank): rank 0 calibrates, the items left to do are dealt round-robin,
+rank r appends to OUT/samples.rank{r}.jsonl, and rank 0 merges every samples*.jsonl into the
+same summary one process writes.
+
 Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
 with the same arguments skips what is there (a torn last line, from a run killed while writing,
 is dropped with a warning and recomputed). OUT/summary.json (flat rows for scripts) and
@@ -323,9 +328,31 @@ def parse(argv):
     return args
 
 
+def distributed(args):
+    """(rank, world size): under `torchrun --nproc_per_node N evaluate.py ...` each rank joins
+    one process group (gloo on CPU, nccl on GPU: rank r uses cuda:LOCAL_RANK); else (0, 1)."""
+    import os
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    import torch.distributed as dist
+    gpu = torch.cuda.is_available() and (args.device or "cuda").startswith("cuda")
+    if gpu:
+        args.device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    dist.init_process_group("nccl" if gpu else "gloo")
+    return dist.get_rank(), world
+
+
+def barrier(world):
+    if world > 1:
+        import torch.distributed as dist
+        dist.barrier()
+
+
 def main(argv=None):
     args = parse(argv)
     t_start = time.time()
+    rank, world = distributed(args)
     if args.threads:
         torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype) if args.dtype else None
@@ -338,20 +365,27 @@ def main(argv=None):
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
     out.mkdir(parents=True, exist_ok=True)
     config = {**keyed, "budgets": args.budget, "methods": args.methods, "device": str(m.device), "out": str(out)}
-    print("config: " + json.dumps(config), flush=True)
+    if rank == 0:
+        print("config: " + json.dumps(config), flush=True)
     items = build_items(tok, args, m)
-    jsonl = out / "samples.jsonl"
-    rows = read_rows(jsonl)
+    rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     done = {r["key"] for r in rows}
+    barrier(world)                        # every rank has read the files before any appends
     methods = Methods(m, tok, args)
-    for b in args.budget:                 # PolyKV calibrates here, once, before the timed loop
-        for n in args.methods:
-            methods.get(n, b)
-    todo = {id(it) for it in items if not {result_key(n, b, it) for n in args.methods for b in args.budget} <= done}
+    for turn in (0, 1):                   # PolyKV calibrates here, once (rank 0), before the loop
+        if (rank == 0) == (turn == 0):
+            for b in args.budget:
+                for n in args.methods:
+                    methods.get(n, b)
+        barrier(world)
+    # the items left to do, dealt round-robin to the ranks; each rank appends to its own file
+    todo = [it for it in items if not {result_key(n, b, it) for n in args.methods for b in args.budget} <= done]
+    mine = {id(it) for it in todo[rank::world]}
+    jsonl = out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl")
     t0, n_run = time.time(), 0
     with open(jsonl, "a") as f:
         for i, item in enumerate(items):
-            if id(item) not in todo:
+            if id(item) not in mine:
                 continue
             new = run_item(m, tok, methods, args.methods, args.budget, item, done)
             for r in new:
@@ -362,8 +396,13 @@ def main(argv=None):
             rows += new
             done |= {r["key"] for r in new}
             n_run += 1
-            eta = (time.time() - t0) / n_run * (len(todo) - n_run)
-            print(report.progress(rows, item, args.methods, args.budget[0], i, len(items), eta), flush=True)
+            eta = (time.time() - t0) / n_run * (len(mine) - n_run)
+            print(("" if world == 1 else f"rank {rank} ")
+                  + report.progress(rows, item, args.methods, args.budget[0], i, len(items), eta), flush=True)
+    barrier(world)
+    if rank != 0:
+        return
+    rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     summary = report.summarize(rows, args.methods, args.budget)
     config["wall_s"] = round(time.time() - t_start, 1)
     per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}

@@ -199,3 +199,23 @@ def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode != 0 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.strip().startswith(msg)
+
+
+def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
+    """torchrun --nproc_per_node 2 (gloo, CPU): every item written once, by one rank, and the
+    merged summary equals a single process's (rows identical apart from time)."""
+    common = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1",
+              "--budget", "24", "--methods", "full,streaming,tova,snapkv,polykv,gracekv",
+              "--tasks", "niah_single_1", "--length", "400", "--samples", "3", "--fidelity-length", "100",
+              "--fidelity-samples", "3", "--cont-len", "6", "--max-new-tokens", "3", "--policy", str(policy_file)]
+    E.main(common + ["--out", str(tmp_path / "one")])
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                        "evaluate.py", *common, "--out", str(tmp_path / "two")],
+                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    files = sorted((tmp_path / "two").glob("samples*.jsonl"))
+    assert [f.name for f in files] == ["samples.rank0.jsonl", "samples.rank1.jsonl"]
+    keys = [json.loads(l)["key"] for f in files for l in f.read_text().splitlines()]
+    assert len(keys) == len(set(keys)) == 6 * 6 and all(f.read_text() for f in files)
+    timeless = lambda d: [x for x in json.loads((d / "summary.json").read_text())["rows"] if x["task"] != "time"]
+    assert timeless(tmp_path / "two") == timeless(tmp_path / "one")
