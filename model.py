@@ -440,6 +440,8 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(f"model={args.model or default_model_dir()} max_new_tokens={args.max_new_tokens}")
     try:
+        if args.max_new_tokens < 0:
+            raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
         m, tok = load(args.model)
         print(args.prompt + generate(m, tok, args.prompt, max_new_tokens=args.max_new_tokens))
     except UsageError as e:

@@ -474,12 +474,14 @@ def test_generate_refuses_too_long_prompt(tmp_path):
     assert out == [int(logits[len(ids) - 1 + i].argmax()) for i in range(len(out))]
 
 
-def test_cli_bad_model_folder_is_one_line_error():
-    r = subprocess.run([sys.executable, str(ROOT / "model.py"), "--model", "/nonexistent"],
+@pytest.mark.parametrize("argv, msg", [(["--model", "/nonexistent"], "error: model folder"),
+                                       (["--max-new-tokens", "-3"], "error: --max-new-tokens must be >= 0, got -3")])
+def test_cli_errors_are_one_line(argv, msg):
+    r = subprocess.run([sys.executable, str(ROOT / "model.py"), *argv],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode != 0
     err = r.stderr.strip()
-    assert "Traceback" not in r.stderr and len(err.splitlines()) == 1 and err.startswith("error:"), err
+    assert "Traceback" not in r.stderr and len(err.splitlines()) == 1 and err.startswith(msg), err
 
 
 # ----------------------------------------------------------------------------- 7. embedded
