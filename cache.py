@@ -10,14 +10,35 @@ Per layer (SPEC.md §1):
 Causality is decided by positions (key pos <= query pos), never by indices, so a cache with gaps
 (after eviction) keeps working. Eviction is a `gather` along S, the only way a cache shrinks;
 it moves every per-entry field together, so a decode rule's state can never fall out of step
-with the entries. No operation writes in place: a `fork` shares tensors and is independent.
+with the entries. Appending writes in place into spare room (`Buffer`) only past every slot some
+view can see, so a `fork` shares tensors and is independent.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
+
+FIELDS = ("k", "v", "pos", "bias", "acc")
+
+
+@dataclass
+class Buffer:
+    """Room to append in place: tensors with `cap` slots along S, of which the first `used` are
+    written. Every LayerCache that views it sees a prefix [0, S) that never changes; only the
+    view holding all `used` slots may write past them (anyone else copies): appends are
+    amortised O(T), and forks stay independent."""
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    bias: torch.Tensor
+    acc: Optional[torch.Tensor]
+    used: int
+
+    @property
+    def cap(self) -> int:
+        return self.k.shape[2]
 
 
 @dataclass
@@ -27,22 +48,48 @@ class LayerCache:
     pos: torch.Tensor    # (B, G, S) long, original positions, -1 = padding
     bias: torch.Tensor   # (B, G, S) additive logit: 0 token, log m prototype, -inf padding
     acc: Optional[torch.Tensor] = None   # (B, G, S) decode-rule state (H2O's Σ_i A), or None
+    buffer: Optional[Buffer] = field(default=None, repr=False, compare=False)  # append room
 
     @property
     def size(self) -> int:
         return self.k.shape[2]
 
+    def _owns_tail(self, T: int) -> bool:
+        """This view may write slots [S, S+T) of its buffer: it holds every used slot, there is
+        room, and its fields are the buffer's own (not replaced since)."""
+        b = self.buffer
+        if b is None or b.used != self.size or self.size + T > b.cap:
+            return False
+        return all((getattr(self, f) is None and getattr(b, f) is None) or
+                   (getattr(self, f) is not None and getattr(b, f) is not None
+                    and getattr(self, f).data_ptr() == getattr(b, f).data_ptr()) for f in FIELDS)
+
     def append(self, k, v, pos) -> "LayerCache":
-        """New tokens k, v (B, G, T, D) at positions pos (B, T) go to the end (acc starts at 0)."""
+        """New tokens k, v (B, G, T, D) at positions pos (B, T) go to the end (bias and acc 0).
+        Written in place into the buffer when this view owns its tail, else into a new buffer
+        of twice the size (the old entries copied once)."""
         B, G, T, _ = k.shape
-        p = pos[:, None, :].expand(B, G, T)                                     # (B, G, T)
-        zeros = lambda x: torch.cat((x, x.new_zeros(B, G, T)), 2)               # (B, G, S+T)
-        return LayerCache(torch.cat((self.k, k), 2), torch.cat((self.v, v), 2),
-                          torch.cat((self.pos, p), 2), zeros(self.bias),
-                          None if self.acc is None else zeros(self.acc))
+        S = self.size
+        new = {"k": k, "v": v, "pos": pos[:, None, :].expand(B, G, T),
+               "bias": self.bias.new_zeros(B, G, T),
+               "acc": None if self.acc is None else self.acc.new_zeros(B, G, T)}
+        if not self._owns_tail(T):
+            cap = max(2 * (S + T), 16)
+            grow = lambda x: None if x is None else torch.cat(
+                (x, x.new_zeros(*x.shape[:2], cap - S, *x.shape[3:])), 2)      # (B, G, cap, ·)
+            self = LayerCache(**{f: getattr(self, f) for f in FIELDS})
+            self.buffer = Buffer(*(grow(getattr(self, f)) for f in FIELDS), used=S)
+        b = self.buffer
+        for f in FIELDS:
+            if new[f] is not None:
+                getattr(b, f)[:, :, S:S + T] = new[f]                              # in place
+        b.used = S + T
+        view = {f: None if getattr(b, f) is None else getattr(b, f)[:, :, :S + T] for f in FIELDS}
+        return LayerCache(**view, buffer=b)
 
     def gather(self, idx: torch.Tensor) -> "LayerCache":
-        """Keep entries idx (B, G, S') along S: the only way eviction changes a cache."""
+        """Keep entries idx (B, G, S') along S: the only way eviction changes a cache (new,
+        compact tensors)."""
         i4 = idx[..., None].expand(*idx.shape, self.k.shape[-1])               # (B, G, S', D)
         return LayerCache(self.k.gather(2, i4), self.v.gather(2, i4),
                           self.pos.gather(2, idx), self.bias.gather(2, idx),

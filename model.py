@@ -177,7 +177,12 @@ def attention_sdpa(q, k, v, bias, q_pos, k_pos):
     if bool((S == T) and (bias == 0).all() and (k_pos == q_pos[:, None, :]).all()):
         # a fresh prefill: keys are exactly the queries' tokens -> plain causal mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))  # (B, G, T, S)
+    vis = visible_mask(q_pos, k_pos)                                          # (B, G, T, S)
+    if bool(vis.all() and (bias == 0).all()):
+        # every key visible to every query (a decoding step over tokens): no mask, so the
+        # fused kernels stay available
+        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    mask = bias[:, :, None, :].masked_fill(~vis, float("-inf"))               # (B, G, T, S)
     mask = mask[:, :, None].expand(B, G, H // G, T, S).reshape(B, H, T, S)    # (B, H, T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=True)
 

@@ -508,3 +508,24 @@ def test_embedded_model_knows_paris_deterministically(embedded):
     b = model.generate(m, tok, "The capital of France is", max_new_tokens=8)
     assert "Paris" in a, a
     assert a == b
+
+
+def test_forks_append_independently_through_the_buffer():
+    """Appends write in place into spare room only past every slot another view can see: two
+    forks of one prefill, fed different tokens in turn, each equal a fresh prefill of their text."""
+    torch.manual_seed(0)
+    cfg = model.Config(vocab_size=40, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                       hidden_dim=48, max_seq_len=128, tie_embeddings=False)
+    m = model.Llama(cfg).double().eval()
+    x = torch.randint(0, 40, (1, 30), generator=torch.Generator().manual_seed(1))
+    a_tok, b_tok = torch.tensor([[3, 4, 5]]), torch.tensor([[7, 8, 9]])
+    a = model.prefill(m, x)
+    b = a.fork()
+    out_a, out_b = [], []
+    for i in range(3):                                   # interleaved: a, b, a, b, ...
+        out_a.append(model.decode(m, a_tok[:, i:i + 1], a))
+        out_b.append(model.decode(m, b_tok[:, i:i + 1], b))
+    for toks, outs, c in ((a_tok, out_a, a), (b_tok, out_b, b)):
+        want = m(torch.cat((x, toks), 1))[:, 30:]
+        assert torch.allclose(torch.cat(outs, 1), want, atol=1e-12, rtol=0)
+        assert c.layers[0].pos[0, 0].tolist() == list(range(33))
