@@ -1,25 +1,30 @@
-"""What compression costs next to the prefill (SPEC.md §7): one prompt, every method, wall times.
+"""Where the time goes (SPEC.md §7), as ratios measured in one run: figures, not tests.
 
-`python bench.py` on the embedded model: a 2,048-token natural-text prompt (the fidelity suite's
-first), median of `--repeat` runs of
-- the plain FullKV prefill;
-- the prefill with the statistics one method observes (H2O's column sums, SnapKV's window,
-  TOVA's last row; GraceKV's probes and multi-hop value flow);
-- the compression itself (scores + selection + gather; GraceKV: slots, trees, greedy, assembly),
-  at each `--budget`.
-Figures, not tests: the numbers depend on the machine and its load.
+`python bench.py` on the embedded model, natural-text prompts from the test split:
+1. observation: the plain FullKV prefill of a `--length`-token prompt vs the shared prefill that
+   observes for every default method at once (methods.observe_for: column sums, window sums,
+   last row, GraceKV's probes and value flow), and each method's compression at `--budget`;
+2. decoding: FullKV ms per generated token at 128, 2K and 8K tokens of context, and SnapKV at
+   B = 512 after the 8K prompt next to FullKV at the same 512 + window context;
+3. Hugging Face transformers' decoding at 2K on the same checkpoint, when it is installed
+   (optional: never a dependency of the project);
+4. peak resident memory of the process.
+Each figure is the median of `--repeat` runs.
 """
 from __future__ import annotations
 
 import argparse
+import resource
 import statistics
 import time
 
 import torch
 
-import evaluate as E
+import gracekv
 import methods as MT
 import model as M
+import polykv as P
+import rules
 import tasks as TK
 
 
@@ -33,12 +38,42 @@ def timed(fn, repeat: int):
     return statistics.median(times), out
 
 
+def decode_ms(m, cache, steps: int, repeat: int, decoder=None) -> float:
+    """ms per greedy token from a prefilled cache (each repeat decodes a fresh fork)."""
+    t, _ = timed(lambda: M.greedy(m, cache.fork(), steps, (), decoder), repeat)
+    return 1000 * t / steps
+
+
+def hf_decode_ms(folder, ids, steps: int, repeat: int):
+    """transformers' LlamaForCausalLM on the same folder: ms per greedy token after ids, or None."""
+    try:
+        from transformers import DynamicCache, LlamaForCausalLM
+    except ImportError:
+        return None
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    x = torch.tensor([ids])
+
+    def run():
+        cache = DynamicCache()
+        out = hf(x, past_key_values=cache, use_cache=True)
+        nxt = out.logits[:, -1:].argmax(-1)
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            out = hf(nxt, past_key_values=cache, use_cache=True)
+            nxt = out.logits[:, -1:].argmax(-1)
+        return time.perf_counter() - t0
+    with torch.no_grad():
+        return 1000 * statistics.median(run() for _ in range(repeat)) / steps
+
+
 @torch.no_grad()
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--length", type=int, default=2048, help="prompt of the observation benchmark")
     ap.add_argument("--budget", default="128,512")
+    ap.add_argument("--contexts", default="128,2048,8000", help="FullKV decoding contexts")
+    ap.add_argument("--steps", type=int, default=16, help="decoded tokens per measurement")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
@@ -46,24 +81,54 @@ def main(argv=None):
         torch.set_num_threads(args.threads)
     budgets = [int(b) for b in args.budget.split(",")]
     m, tok = M.load(args.model)
-    x = torch.tensor([TK.fidelity_text(tok, args.length, 1, 0, 0)[0]], device=m.device)   # (1, T)
-    T = x.shape[1]
-    print(f"model {m.config.n_layers} layers · T = {T} · {torch.get_num_threads()} threads · "
-          f"device {m.device} · median of {args.repeat}")
+    L = m.config.n_layers
+    x = torch.tensor([TK.fidelity_text(tok, args.length, 1)[0]], device=m.device)    # (1, T)
+    print(f"model {M.default_model_dir().name if args.model is None else args.model} · {L} layers · "
+          f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}")
     M.prefill(m, x)                                                           # warm-up, untimed
-    t_full, _ = timed(lambda: M.prefill(m, x), args.repeat)
-    rows = [("full", t_full, {})]
-    made = E.Methods(m, None, args)
-    for name in [n for n in E.DEFAULT_METHODS if n not in ("full", "random", "polykv")]:
-        ms = {b: made.get(name, b) for b in budgets}
-        t_obs, (full, obs) = timed(lambda: MT.observe_for(m, x, [ms[budgets[0]]]), args.repeat)
-        rows.append((name, t_obs, {b: timed(lambda: ms[b].compress(m, full, obs), args.repeat)[0]
-                                   for b in budgets}))
-    print("| method | prefill + statistics s | " + " | ".join(f"compress s @ {b}" for b in budgets) + " |")
-    print("|---|---|" + "---|" * len(budgets))
-    for name, t, comp in rows:
-        cells = " | ".join(f"{comp[b]:.3f}" if b in comp else "–" for b in budgets)
-        print(f"| {name} | {t:.2f} | {cells} |")
+
+    # 1. observation and compression
+    made = {n: {b: (P.Pyramid(b) if n == "pyramidkv" else gracekv.GraceKV(b) if n == "gracekv"
+                    else P.Policy.uniform(n, b, L)) for b in budgets}
+            for n in [*(r for r in rules.RULES if r != "random"), "pyramidkv", "gracekv"]}
+    t_plain, _ = timed(lambda: M.prefill(m, x), args.repeat)
+    everyone = [ms[budgets[0]] for ms in made.values()]
+    t_obs, (full, obs) = timed(lambda: MT.observe_for(m, x, everyone), args.repeat)
+    print(f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every default method "
+          f"{t_obs:.2f} s = {t_obs / t_plain:.2f}x plain")
+    print("| method | " + " | ".join(f"compress s @ {b}" for b in budgets) + " |")
+    print("|---|" + "---|" * len(budgets))
+    for name, ms in made.items():
+        cells = [timed(lambda: ms[b].compress(m, full, obs), args.repeat)[0] for b in budgets]
+        print(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+
+    # 2. decoding
+    contexts = [int(c) for c in args.contexts.split(",")]
+    ms_full = {}
+    longest = None
+    for c in contexts:
+        ids = TK.fidelity_text(tok, c, 0)[0]
+        cache = M.prefill(m, torch.tensor([ids], device=m.device))
+        ms_full[c] = decode_ms(m, cache, args.steps, args.repeat)
+        longest = (ids, cache)
+    print("\nFullKV decoding: " + ", ".join(f"{c} tokens {ms_full[c]:.1f} ms/token" for c in contexts)
+          + f"; {contexts[-1]} / {contexts[0]} = {ms_full[contexts[-1]] / ms_full[contexts[0]]:.2f}x")
+    ids, _ = longest
+    snap = P.Policy.uniform("snapkv", 512, L)
+    small = snap.prefill(m, torch.tensor([ids], device=m.device))
+    ms_snap = decode_ms(m, small, args.steps, args.repeat, snap.decoder)
+    same = M.prefill(m, torch.tensor([TK.fidelity_text(tok, 512, 0)[0]], device=m.device))
+    ms_same = decode_ms(m, same, args.steps, args.repeat)
+    print(f"SnapKV B=512 after {len(ids)} tokens: {ms_snap:.1f} ms/token; FullKV at 512 tokens "
+          f"{ms_same:.1f} ms/token ({ms_snap / ms_same:.2f}x)")
+
+    # 3. transformers, if installed
+    if 2048 in ms_full:
+        folder = M.default_model_dir() if args.model is None else args.model
+        hf = hf_decode_ms(folder, TK.fidelity_text(tok, 2048, 0)[0], args.steps, args.repeat)
+        print("transformers: not installed (optional)" if hf is None else
+              f"transformers LlamaForCausalLM at 2048 tokens: {hf:.1f} ms/token; ours / theirs = {ms_full[2048] / hf:.2f}")
+    print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
 
 
 if __name__ == "__main__":
