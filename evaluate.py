@@ -58,6 +58,7 @@ from pathlib import Path
 import torch
 
 import gracekv
+import longbench as LB
 import methods as MT
 import metrics
 import model as M
@@ -250,7 +251,7 @@ def build_items(tok, args, model):
                 gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
                 items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None))
     if args.data:
-        for i, s in enumerate(TK.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
+        for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
             items.append(Item(s.task, s.index, 0, as_t(tok.encode(s.prompt, add_special_tokens=not s.templated)), s))
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:

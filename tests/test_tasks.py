@@ -14,6 +14,7 @@ from collections import Counter
 import pytest
 
 import checkpoint
+import longbench
 import model
 import metrics
 import tasks
@@ -319,12 +320,12 @@ def test_load_longbench(tmp_path, tok):
                                            "all_classes": ["Reason", "Manner"], "length": 2, "_id": "c"}])
     _write_jsonl(tmp_path / "samsum.jsonl", [dict(short, answers=["A summary."])])
     (tmp_path / "notes.jsonl").write_text("not LongBench")                       # ignored
-    out = tasks.load_longbench(tmp_path, tok, max_length=400)
+    out = longbench.load_longbench(tmp_path, tok, max_length=400)
     assert [(s.task, s.index) for s in out] == [("hotpotqa", 0), ("hotpotqa", 1), ("trec", 0), ("samsum", 0)]
-    full = tasks.LONGBENCH_PROMPTS["hotpotqa"].format(context=short["context"], input="Who?")
+    full = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context=short["context"], input="Who?")
     assert out[0].prompt == full and full.endswith("Question: Who?\nAnswer:") and "Ann {met} Bob." in full
     assert out[0].n_tokens == len(full) < 400
-    long_full = tasks.LONGBENCH_PROMPTS["hotpotqa"].format(context=long["context"], input="Who?")
+    long_full = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context=long["context"], input="Who?")
     assert out[1].prompt == long_full[:200] + long_full[-200:] and out[1].n_tokens == 400
     assert "MIDDLE" not in out[1].prompt and out[1].prompt.endswith("Question: Who?\nAnswer:")
     assert [s.max_new_tokens for s in out] == [32, 32, 64, 128]                  # dataset2maxlen.json
@@ -342,7 +343,7 @@ def test_load_longbench(tmp_path, tok):
 def test_load_longbench_malformed_line_is_a_one_line_error(tmp_path, tok, bad, message):
     (tmp_path / "hotpotqa.jsonl").write_text(bad, encoding="utf-8")
     with pytest.raises(model.UsageError, match=message) as e:
-        tasks.load_longbench(tmp_path, tok, 100)
+        longbench.load_longbench(tmp_path, tok, 100)
     assert "\n" not in str(e.value)
 
 
@@ -364,28 +365,28 @@ def test_longbench_chat_template_and_samsum_stop(tmp_path):
     row = {"input": "Who?", "context": "Ann met Bob.", "answers": ["Ann"]}
     for d in ("hotpotqa", "trec", "samsum"):
         _write_jsonl(data / f"{d}.jsonl", [row])
-    hot, trec, sam = tasks.load_longbench(data, chat_tok, max_length=400)
-    raw = tasks.LONGBENCH_PROMPTS["hotpotqa"].format(context="Ann met Bob.", input="Who?")
+    hot, trec, sam = longbench.load_longbench(data, chat_tok, max_length=400)
+    raw = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context="Ann met Bob.", input="Who?")
     assert hot.templated and hot.prompt == "<s><|user|>\n" + raw + "<|assistant|>\n"
     ids = chat_tok.encode(hot.prompt, add_special_tokens=False)
     assert ids.count(btok.bos_id) == 1 and ids[0] == btok.bos_id and hot.n_tokens == len(ids)
     assert not trec.templated and not sam.templated
-    assert trec.prompt == tasks.LONGBENCH_PROMPTS["trec"].format(context="Ann met Bob.", input="Who?")
+    assert trec.prompt == longbench.LONGBENCH_PROMPTS["trec"].format(context="Ann met Bob.", input="Who?")
     newline = chat_tok.encode("\n", add_special_tokens=False)[-1]
     assert evaluate.stop_ids(chat_tok, sam) == {0, newline} and evaluate.stop_ids(chat_tok, hot) == {0}
     # without a template (the embedded GGUF conversion) every dataset is prompted raw
-    plain = tasks.load_longbench(data, btok, max_length=400)[0]
+    plain = longbench.load_longbench(data, btok, max_length=400)[0]
     assert not plain.templated and plain.prompt == raw
 
 
 def test_load_longbench_bad_folder(tmp_path, tok):
     with pytest.raises(model.UsageError, match="does not exist"):
-        tasks.load_longbench(tmp_path / "nope", tok, 100)
+        longbench.load_longbench(tmp_path / "nope", tok, 100)
     with pytest.raises(model.UsageError, match="none of the LongBench files"):
-        tasks.load_longbench(tmp_path, tok, 100)
+        longbench.load_longbench(tmp_path, tok, 100)
     (tmp_path / "qasper.jsonl").write_bytes(b"\xff\xfe\x00")
     with pytest.raises(model.UsageError, match="cannot read"):
-        tasks.load_longbench(tmp_path, tok, 100)
+        longbench.load_longbench(tmp_path, tok, 100)
 
 
 # ----------------------------------------------------------------------------- embedded tokenizer
@@ -431,7 +432,7 @@ def test_embedded_tokenizer_fits_every_task_at_2000(smol, name):
 def test_embedded_tokenizer_longbench_truncation_and_fidelity(tmp_path, smol):
     row = {"input": "Who wrote it?", "context": tasks.source_text("test")[:20000], "answers": ["x"]}
     _write_jsonl(tmp_path / "narrativeqa.jsonl", [row])
-    s, = tasks.load_longbench(tmp_path, smol, 1000)
+    s, = longbench.load_longbench(tmp_path, smol, 1000)
     assert abs(s.n_tokens - 1000) <= 4 and s.prompt.startswith("You are given a story")
     assert s.prompt.endswith("Question: Who wrote it?\n\nAnswer:") and s.max_new_tokens == 128
     p, c = tasks.fidelity_text(smol, 2048, 64, seed=0, index=0)
