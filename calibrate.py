@@ -298,11 +298,16 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
                  settings=settings, meta=meta)
 
 
+def policy_path(model_name: str, budget: int, seed: int, cache_dir) -> Path:
+    """Where policy_for keeps the policy of (model name, budget, seed, calibration text)."""
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
+    return Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}-{TEXT_VERSION}.json"
+
+
 def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_dir="runs/policies",
                **kw) -> Policy:
     """Calibrate once per (model name, budget, seed) and keep the JSON; later calls load it."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
-    path = Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}-{TEXT_VERSION}.json"
+    path = policy_path(model_name, budget, seed, cache_dir)
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}

@@ -132,8 +132,9 @@ class Methods:
                 self.policies[key] = P.Policy.load(self.args.policy, n_layers=self.L)
             else:
                 import calibrate
-                print(f"polykv: policy for budget {budget} from {self.args.cache_dir} "
-                      "(calibrated once on first use, about 5 min on 2 CPU cores)", flush=True)
+                path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir)
+                print(f"polykv: policy for budget {budget}: " + (f"{path}" if path.exists() else
+                      f"calibrating once into {path} (about 6 min on 2 CPU cores)"), flush=True)
                 log = lambda s: print(f"polykv calibration B={budget}: {s}", flush=True)
                 self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
                                                           self.args.seed, Path(self.args.cache_dir), log=log)
