@@ -18,6 +18,7 @@ import rules
 # and PyramidKV
 BASELINES = tuple(n for n, r in rules.RULES.items() if r.pool) + ("pyramidkv",)
 LOWER_IS_BETTER = {"kl", "dnll"}
+HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / LongBench score
 N_BOOT, SEED = 2000, 0
 
 
@@ -83,7 +84,8 @@ def summarize(rows: list, names, budgets) -> list:
                 row["vs_best"] = {"rule": best, "diff": round(float(x.mean() - X[best].mean()), 4),
                                   "ci_low": round(dlo, 4), "ci_high": round(dhi, 4), "tie": dlo <= 0 <= dhi}
             out.append(row)
-        if best is not None and "full" in X:
+        headline = (task, metric) in HEADLINE or task not in ("fidelity", "answer", "memory", "time")
+        if best is not None and "full" in X and headline:
             for m in [m for m in X if m.startswith("polykv")]:
                 out.append(gap_row(m, budget, task, metric, X, boot, best, len(prompts)))
     order = {n: i for i, n in enumerate(names)}
@@ -111,9 +113,8 @@ def cell(d, fmt, scale=1.0) -> str:
     if d is None or d.get("value") is None:
         return "–"
     v = fmt.format(scale * d["value"])
-    if "ci_low" not in d or d["ci_high"] == d["ci_low"]:
-        return v
-    return f"{v} ±{fmt.format(scale * (d['ci_high'] - d['ci_low']) / 2)}"
+    half = fmt.format(scale * (d.get("ci_high", 0) - d.get("ci_low", 0)) / 2)
+    return v if float(half) == 0 else f"{v} ±{half}"
 
 
 def table(summary: list, names, budgets, ruler_tasks) -> str:
