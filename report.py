@@ -203,3 +203,31 @@ def plot(summary, names, out):
     fig.tight_layout()
     fig.savefig(out / "budget_vs_score.png", dpi=120)
     print(f"plot: {out / 'budget_vs_score.png'}")
+
+
+def main(argv=None):
+    """`python report.py OUT/summary.json [--methods a,b] [--budgets 128,512] [--no-diff]`: the
+    table of a finished run again, for a subset of its rows."""
+    import argparse
+    import json
+    import sys
+    ap = argparse.ArgumentParser(description="Print the table of a finished run (its summary.json).")
+    ap.add_argument("summary")
+    ap.add_argument("--methods", default=None)
+    ap.add_argument("--budgets", default=None)
+    ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
+    a = ap.parse_args(argv)
+    try:
+        d = json.loads(open(a.summary).read())
+    except (OSError, ValueError) as e:
+        sys.exit(f"error: cannot read {a.summary!r}: {e}")
+    cfg = d["config"]
+    names = a.methods.split(",") if a.methods else cfg["methods"]
+    budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else cfg["budgets"]
+    rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
+    md = table(rows, names, budgets, cfg["tasks"])
+    print(md.split("\n\n")[0] if a.no_diff else md)
+
+
+if __name__ == "__main__":
+    main()

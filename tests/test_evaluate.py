@@ -219,3 +219,15 @@ def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
     assert len(keys) == len(set(keys)) == 6 * 6 and all(f.read_text() for f in files)
     timeless = lambda d: [x for x in json.loads((d / "summary.json").read_text())["rows"] if x["task"] != "time"]
     assert timeless(tmp_path / "two") == timeless(tmp_path / "one")
+
+
+def test_report_cli_reprints_a_subset(tmp_path, capsys):
+    kl = {"full": lambda i: 0.0, "snapkv": lambda i: 0.1 + 0.01 * i, "tova": lambda i: 0.2}
+    score = {m: (lambda i: 50) for m in kl}
+    summary = report.summarize(fake_rows(kl, score), list(kl), [64])
+    f = tmp_path / "summary.json"
+    f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
+                             "rows": summary}))
+    report.main([str(f), "--methods", "full,tova", "--no-diff"])
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 4 and out[2].startswith("| 64 | full |") and out[3].startswith("| 64 | tova | 50.0 |")
