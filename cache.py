@@ -109,9 +109,12 @@ class Cache:
 
     @classmethod
     def empty(cls, n_layers: int, batch: int, G: int, D: int, device, dtype) -> "Cache":
+        """No entries yet; k and v in the model's dtype, the bias in fp32 whatever it is (fp64
+        for an fp64 model): a prototype's log m must not be rounded to bf16 (up to 1.6 % on m)."""
         z = lambda *s, **kw: torch.zeros(*s, device=device, **kw)
+        bias = torch.float64 if dtype == torch.float64 else torch.float32
         return cls([LayerCache(z(batch, G, 0, D, dtype=dtype), z(batch, G, 0, D, dtype=dtype),
-                               z(batch, G, 0, dtype=torch.long), z(batch, G, 0, dtype=dtype))
+                               z(batch, G, 0, dtype=torch.long), z(batch, G, 0, dtype=bias))
                     for _ in range(n_layers)])
 
     def entries(self) -> int:

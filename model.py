@@ -135,6 +135,10 @@ def attention_sdpa(q, k, v, bias, q_pos, k_pos):
         # a fresh prefill: keys are exactly the queries' tokens -> plain causal mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     vis = visible_mask(q_pos, k_pos)                                          # (B, G, T, S)
+    if q.dtype not in (torch.float32, torch.float64) and bool((bias.isfinite() & (bias != 0)).any()):
+        # an fp32 bias (GraceKV's log m) would be rounded to q's bf16/fp16 in SDPA's mask:
+        # the explicit attention keeps it exact (softmax in fp32)
+        return attention(q, k, v, bias, q_pos, k_pos)
     if bool(vis.all() and (bias == 0).all()):
         # every key visible to every query (a decoding step over tokens): no mask, so the
         # fused kernels stay available

@@ -529,3 +529,21 @@ def test_forks_append_independently_through_the_buffer():
         want = m(torch.cat((x, toks), 1))[:, 30:]
         assert torch.allclose(torch.cat(outs, 1), want, atol=1e-12, rtol=0)
         assert c.layers[0].pos[0, 0].tolist() == list(range(33))
+
+
+def test_bf16_cache_keeps_the_bias_in_fp32():
+    """A bf16 model's cache stores the bias in fp32 (log m is not rounded), and the SDPA path
+    does not round it either: with a non-zero bias it is the explicit attention, exactly."""
+    torch.manual_seed(0)
+    cfg = model.Config(vocab_size=40, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
+                       hidden_dim=48, max_seq_len=64, tie_embeddings=False)
+    m = model.Llama(cfg).to(torch.bfloat16).eval()
+    cache = model.prefill(m, torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(2)))
+    lc = cache.layers[0]
+    assert lc.k.dtype == torch.bfloat16 and lc.bias.dtype == torch.float32
+    bias = lc.bias.clone()
+    bias[..., 3] = math.log(7.3)                         # a prototype standing for 7.3 tokens
+    q = torch.randn(1, 4, 1, 8, dtype=torch.bfloat16)
+    q_pos = torch.tensor([[20]])
+    want = model.attention(q, lc.k, lc.v, bias, q_pos, lc.pos)
+    assert torch.equal(model.attention_sdpa(q, lc.k, lc.v, bias, q_pos, lc.pos), want)
