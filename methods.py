@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -109,20 +111,34 @@ class Method:
 
 # ----------------------------------------------------------------------------- statistics
 
+def causal_probs(q, k, c0: int) -> torch.Tensor:
+    """A[b, h, i, j] (B, H, c, c1) of query rows c0..c1−1 over keys 0..c1−1 of a fresh prefill
+    (key j at position j, bias 0): model.attention_probs with the mask reduced to the upper
+    triangle of the last c×c block, fp32 (fp64 for fp64 inputs). Tested against it."""
+    B, H, c, D = q.shape
+    G, c1 = k.shape[1], k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qg = q.to(acc).view(B, G, H // G, c, D)                                  # (B, G, g, c, D)
+    logits = qg @ k.to(acc)[:, :, None].transpose(-1, -2) / math.sqrt(D)     # (B, G, g, c, c1)
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)       # j > i: the future
+    logits[..., c0:].masked_fill_(tri, float("-inf"))
+    return torch.softmax(logits, dim=-1).view(B, H, c, c1)
+
+
 def observe_layer(q, q_pos, lc, names, window: int, chunk: int, flow: Optional[FlowNeeds]):
     """Every requested statistic of one layer from one pass over its attention.
 
     q (B, H, T, D) are the prompt's queries and lc its fresh FullKV cache (key j at position j,
     so query rows [c0, c1) see keys [0, c1) only: the causal key range). Query rows go in
-    descending chunks; each chunk's A (B, H, c, c1) is computed once (model.attention_probs,
-    fp32) and feeds the column sums, the window sums, the last row and GraceKV's value flow:
+    descending chunks; each chunk's A (B, H, c, c1) is computed once (model.attention_probs's maths,
+    fp32, `causal_probs`) and feeds the column sums, the window sums, the last row and GraceKV's value flow:
     x^0_i = Σ_{u ∈ U} Ā[u, i] (U = the last r queries, Ā the group-mean attention) and
     x^k_i = Σ_j x^{k−1}_j Ā[j, i] = Σ_{j ≥ i} x^{k−1}_j Ā[j, i], complete for a chunk's rows once
     that chunk is added, so every hop takes the same pass. Rows no statistic reads are skipped.
     Returns ({name: (B, H, T)}, (probes (H, r, D), x (hops+1, G, T)) or None)."""
     B, H, T, D = q.shape
     G = lc.k.shape[1]
-    assert lc.size == T, "observe_layer reads a fresh prefill (key j at position j)"
+    assert lc.size == T and not lc.bias.any(), "observe_layer reads a fresh prefill (key j at position j)"
     r = min(flow.window, T) if flow else 0
     lowest = 0 if "colsum" in names or (flow and flow.hops) else \
         min([T - 1] + [T - min(window, T)] * ("window" in names) + [T - r] * bool(flow))
@@ -134,8 +150,7 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, flow: Optional[F
         seed[T - r:] = 1.0                                           # the probe rows u ∈ U
     for c1 in range(T, lowest, -chunk):
         c0 = max(lowest, c1 - chunk)
-        p = M.attention_probs(q[:, :, c0:c1], lc.k[:, :, :c1], lc.bias[:, :, :c1],
-                              q_pos[:, c0:c1], lc.pos[:, :, :c1])    # (B, H, c, c1)
+        p = causal_probs(q[:, :, c0:c1], lc.k[:, :, :c1], c0)        # (B, H, c, c1)
         if "colsum" in names:
             out["colsum"][..., :c1] += p.sum(2)                      # Σ_{all i} A[h,i,j]
         if "window" in names and c1 > T - window:

@@ -230,3 +230,16 @@ def test_policy_json_round_trip_and_errors(tmp_path):
         P.Policy.uniform("snapkv", 0, 3)
     with pytest.raises(UsageError, match="unknown rule 'x'; choose from full"):
         P.Policy.uniform("x", 8, 3)
+
+
+@given(st.integers(3, 30), st.integers(1, 7), st.integers(0, 3))
+def test_causal_probs_equal_attention_probs(T, chunk, seed):
+    """The observation pass's reduced-mask probabilities = the explicit attention's, every chunk."""
+    g = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(2, 4, T, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64)
+    pos = torch.arange(T).expand(2, T)
+    for c1 in range(T, 0, -chunk):
+        c0 = max(0, c1 - chunk)
+        want = M.attention_probs(q[:, :, c0:c1], k[:, :, :c1], torch.zeros(2, 2, c1, dtype=torch.float64),
+                                 pos[:, c0:c1], pos[:, None, :c1].expand(2, 2, c1))
+        assert torch.allclose(MT.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0)
