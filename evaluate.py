@@ -134,7 +134,7 @@ class Methods:
                 import calibrate
                 path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir)
                 print(f"polykv: policy for budget {budget}: " + (f"{path}" if path.exists() else
-                      f"calibrating once into {path} (about 6 min on 2 CPU cores)"), flush=True)
+                      f"calibrating once into {path} (about 3 min on 2 CPU cores)"), flush=True)
                 log = lambda s: print(f"polykv calibration B={budget}: {s}", flush=True)
                 self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
                                                           self.args.seed, Path(self.args.cache_dir), log=log)
