@@ -27,7 +27,7 @@ prompt with T ≤ B is returned uncompressed (FullKV). One prompt at a time (bat
 [choices] (the write-up is silent or ambiguous):
 - The question is not marked in the token ids: the last r = `window` tokens are the suffix;
   they are kept exact and their queries (all g heads of the group) are the probes U. If B ≤ r,
-  only the last B tokens stay.
+  the first token (the attention sink, StreamingLLM's observation) and the last B − 1 stay.
 - Hidden state for slots: the cache's layer-L/2 un-rotated keys and values, per head
   L2-normalised and concatenated (a linear image [W_K; W_V]·RMSNorm(h) of the hidden state that
   the cache already holds: no extra hook). Surprisal is not used: it needs the LM head over all
@@ -98,6 +98,8 @@ class Settings:
     decay: float = 0.5
     beta: float = 0.1         # β = 0.1·mean R_t in the value weights (write-up)
     floor_frac: float = 0.95  # singleton floor: share of the non-window budget [choice: measured, see docstring]
+    prototype_key: str = "unrotated"  # "unrotated": RoPE(mean k°, mean position) (the write-up);
+                                      # "post": mean of the post-RoPE keys, q·k̃ = mean_t q·k_t exactly (SPEC §5)
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
@@ -109,6 +111,8 @@ class Settings:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
         if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and self.hops >= 0):
             raise UsageError("need 0 <= lambda_graph <= 1, 0 <= floor_frac <= 1, hops >= 0")
+        if self.prototype_key not in ("unrotated", "post"):
+            raise UsageError(f"prototype_key must be 'unrotated' or 'post', got {self.prototype_key!r}")
 
 
 # ----------------------------------------------------------------------------- observation
@@ -243,7 +247,8 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
     kr = torch.cat([pad(M.apply_rope(lc.k[0, :, :Tc].to(acc), -pos[:Tc], model.inv_freq))
                     for lc in full.layers])                          # (U, Tc+1, D) k°
-    units = Units(kr=kr, v=torch.cat([pad(lc.v[0, :, :Tc].to(acc)) for lc in full.layers]),
+    post = torch.cat([pad(lc.k[0, :, :Tc].to(acc)) for lc in full.layers]) if s.prototype_key == "post" else None
+    units = Units(kr=kr, v=torch.cat([pad(lc.v[0, :, :Tc].to(acc)) for lc in full.layers]), k=post,
                   knorm=kr.norm(dim=-1),
                   lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
                   q=q, c=c, R=F.pad(R, (0, 1)).expand(len(kr), -1).contiguous(),      # (U, Tc+1)
@@ -282,8 +287,9 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
     plan = None
     if T <= budget:                                                           # identity: FullKV
         out = Cache(list(full.layers), full.next_pos, full.last_logits)
-    elif budget <= s.window:                                                  # only the window fits
-        idx = torch.arange(T - budget, T, device=dev).expand(1, G, budget)    # (1, G, B)
+    elif budget <= s.window:          # only the window fits: the attention sink + the last B − 1
+        idx = torch.cat((torch.zeros(1, dtype=torch.long, device=dev),
+                         torch.arange(T - budget + 1, T, device=dev))).expand(1, G, budget)  # (1, G, B)
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
         cx = context(model, full, flow, s.window, s)
@@ -306,7 +312,8 @@ VARIANTS = {"gracekv": {},
             "gracekv-floor": {"floor_frac": 1.0},     # no trees: every entry an exact token chosen by ω·R
             "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
             "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
-            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0}}   # value flow without propagation
+            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},   # value flow without propagation
+            "gracekv-postkey": {"prototype_key": "post"}}       # prototype key = mean post-RoPE key
 
 
 @dataclass

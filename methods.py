@@ -20,10 +20,9 @@ Statistics (SPEC.md notation, A[h,i,j] the causal attention in fp32, per query h
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional
-
-import math
 
 import torch
 import torch.nn.functional as F

@@ -3,7 +3,9 @@ is from the tokens it replaces (SPEC.md §5; gracekv.py's docstring lists the fo
 [choice]).
 
 A node = a span [a, b) of one unit (layer, KV head) minus the unit's holes. Its prototype:
-key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value ṽ = Σ(R_t+β)v_t / Σ(R_t+β),
+key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)) (the write-up), or with
+Settings.prototype_key = "post" the mean of the post-RoPE keys k̃ = mean_t k_t, whose logit
+q·k̃ = mean_t q·k_t is exact for every query (SPEC §5); value ṽ = Σ(R_t+β)v_t / Σ(R_t+β),
 multiplicity m = clamp(n·ħ², 1, n) (logit bias log m). Its distortion D for the probe queries,
 in log space, and D(drop) for keeping nothing. `Units` holds every per-prompt tensor these
 read, stacked over units; gracekv.context builds them.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -32,7 +35,8 @@ class Units:
     R: torch.Tensor       # (U, Tc+1) relevance R_t of each unit's tokens; Σ_t R = 1
     hole: torch.Tensor    # (U, Tc) tokens later nodes leave out: the floor, then extracted leaves
     inv_freq: torch.Tensor
-    s: object             # gracekv.Settings (β, ε, λ_Z, λ_M, log ρ cap)
+    s: object             # gracekv.Settings (β, ε, λ_Z, λ_M, log ρ cap, prototype key)
+    k: Optional[torch.Tensor] = None   # (U, Tc+1, D) post-RoPE keys, for prototype_key = "post"
 
     @property
     def Tc(self) -> int:
@@ -88,7 +92,10 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     K, V = rows(cx.kr), rows(cx.v)                                            # (N, n, D), 0 outside
     kbar = K.sum(1) / nf[:, None]                                             # mean k°  (N, D)
     p = ((idx * mask).sum(1) / nf).round()                                    # rounded mean position
-    key = M.apply_rope(kbar, p, cx.inv_freq)                                  # k̃ = RoPE(mean k°, p̃)
+    if cx.k is None:
+        key = M.apply_rope(kbar, p, cx.inv_freq)                              # k̃ = RoPE(mean k°, p̃)
+    else:                                             # k̃ = mean_t k_t: q·k̃ = mean_t q·k_t, any q
+        key = rows(cx.k).sum(1) / nf[:, None]
     hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)           # ħ = ‖mean k°‖/mean‖k°‖
     logm = (nf * hbar ** 2).clamp(min=1).minimum(nf).log()                   # m = clamp(n ħ², 1, n)
     Rt = rows(cx.R)                                                           # (N, n), 0 outside

@@ -320,3 +320,32 @@ def test_embedded_generate(embedded):
     cache = GK.GraceKV(48, GK.Settings(window=8, slot_min=8, slot_max=32)).prefill(
         m, torch.tensor([tok.encode(prompt)]))
     assert GK.GraceKV(48).decoder is None and cache.entries() <= m.config.n_layers * m.config.n_kv_heads * 48
+
+
+@given(st.integers(16, 40), st.integers(0, 3))
+def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
+    """prototype_key = "post": for any query (at any later position) the prototype's logit is
+    exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t (SPEC §5)."""
+    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "prototype_key": "post"})
+    full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
+    cx = GK.context(m, full, stats, s.window, s)
+    g = torch.Generator().manual_seed(seed)
+    U, Tc, G = cx.units.kr.shape[0], cx.Tc, m.config.n_kv_heads
+    u = torch.randint(U, (10,), generator=g)
+    a = torch.randint(Tc - 1, (10,), generator=g)
+    b = torch.minimum(a + 2 + torch.randint(8, (10,), generator=g), torch.tensor(Tc))
+    key = PR.node_stats(cx.units, u, a, b)["key"]                              # (10, D)
+    for i in range(10):
+        k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]   # (n, D) post-RoPE
+        q = M.apply_rope(torch.randn(5, k.shape[1], generator=g, dtype=torch.float64),
+                         torch.randint(T, 2 * T, (5,), generator=g), m.inv_freq)  # later positions
+        torch.testing.assert_close(q @ key[i], (q @ k.T).mean(1), rtol=1e-12, atol=1e-12)
+
+
+def test_budget_within_the_window_keeps_the_sink():
+    """B <= r: the first token (attention sink) and the last B − 1, in every unit."""
+    m, T, B = tiny(1), 30, 3
+    full, stats = GK.observe(m, tokens(1, T), SET, chunk=CHUNK)
+    cache = GK.compress(m, full, stats, B, SET)
+    for lc in cache.layers:
+        assert lc.pos[0].tolist() == [[0, T - 2, T - 1]] * m.config.n_kv_heads
