@@ -161,7 +161,7 @@ class Policy(methods.Method):
             B, G, T, _ = lc.k.shape
             if rule == "full" or b >= T:
                 idx = torch.arange(T, device=lc.k.device).expand(B, G, T)
-                kept = lc        # nothing evicted: share the tensors (never written in place)
+                kept = lc        # nothing evicted: share the tensors (appends never overwrite them)
             else:
                 sc, prot = rules.score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings))
                 idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)    # (B, G, b)
