@@ -20,11 +20,10 @@ import time
 
 import torch
 
-import gracekv
+import evaluate as E
 import methods as MT
 import model as M
 import polykv as P
-import rules
 import tasks as TK
 
 
@@ -88,9 +87,8 @@ def main(argv=None):
     M.prefill(m, x)                                                           # warm-up, untimed
 
     # 1. observation and compression
-    made = {n: {b: (P.Pyramid(b) if n == "pyramidkv" else gracekv.GraceKV(b) if n == "gracekv"
-                    else P.Policy.uniform(n, b, L)) for b in budgets}
-            for n in [*(r for r in rules.RULES if r != "random"), "pyramidkv", "gracekv"]}
+    names = [n for n in E.DEFAULT_METHODS if n not in ("full", "random", "polykv")]
+    made = {n: {b: E.method(n, b, L) for b in budgets} for n in names}
     t_plain, _ = timed(lambda: M.prefill(m, x), args.repeat)
     everyone = [ms[budgets[0]] for ms in made.values()]
     t_obs, (full, obs) = timed(lambda: MT.observe_for(m, x, everyone), args.repeat)

@@ -19,11 +19,9 @@ import time
 
 import torch
 
-import gracekv
+import evaluate as E
 import methods as MT
 import model as M
-import polykv as P
-import rules
 from errors import UsageError
 
 LLAMA_31_8B = M.Config(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -70,8 +68,7 @@ def main(argv=None):
     print("| stage | s | peak GB |\n|---|---|---|")
     stage("warm-up prefill", lambda: M.prefill(m, x[:, :1024]))
     full = stage("plain prefill", lambda: M.prefill(m, x))
-    made = {n: P.Pyramid(B) if n == "pyramidkv" else gracekv.GraceKV(B) if n == "gracekv"
-            else P.Policy.uniform(n, B, L) for n in [*(r for r in rules.RULES if r != "random"), "pyramidkv", "gracekv"]}
+    made = {n: E.method(n, B, L) for n in E.DEFAULT_METHODS if n not in ("full", "random", "polykv")}
     full, obs = stage("prefill observing for every default method", lambda: MT.observe_for(m, x, list(made.values())))
     caches = {n: stage(f"compress {n}", lambda: meth.compress(m, full, obs)) for n, meth in made.items()}
     stage(f"FullKV: {args.steps} decoding steps", lambda: M.greedy(m, full.fork(), args.steps))

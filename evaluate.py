@@ -73,6 +73,19 @@ UNIFORM = ("full",) + tuple(name for name in rules.RULES if name != "random") + 
 POLYKV = ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill")
 METHODS = UNIFORM + POLYKV + tuple(gracekv.VARIANTS)
 DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
+
+
+def method(name: str, budget: int, n_layers: int, settings=None, decode=None) -> MT.Method:
+    """A method that needs no calibration, by its --methods name: FullKV or a registered rule
+    (its own decode form, or `decode`), PyramidKV, a GraceKV variant. settings: rules.RuleSettings."""
+    s = settings or rules.RuleSettings()
+    if name == "pyramidkv":
+        return P.Pyramid(budget, s)
+    if name in gracekv.VARIANTS:
+        return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
+    if name in UNIFORM:
+        return P.Policy.uniform(name, budget, n_layers, decode, s)
+    raise UsageError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
 # full cache at the default length (README: measured FullKV scores and why the others are out)
 DEFAULT_RULER = ("niah_single_1",)
@@ -148,12 +161,10 @@ class Methods:
 
     def make(self, name, budget) -> MT.Method:
         """The method; under --memory equal a policy's decode budgets grow by the allowance."""
-        if name == "pyramidkv":
-            return P.Pyramid(budget)
-        if name in gracekv.VARIANTS:
-            return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
-        if name in UNIFORM:
-            pol = P.Policy.uniform(name, budget, self.L)
+        if name not in POLYKV:
+            pol = method(name, budget, self.L)
+            if not isinstance(pol, P.Policy):
+                return pol
         else:
             import calibrate
             pol = self.calibrated(budget)

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-import gracekv
+import evaluate
 import methods as MT
 import model as M
 import polykv as P
@@ -50,24 +50,16 @@ CONVENTIONS = {"paper": rules.RuleSettings(), "kvpress": rules.KVPRESS}
 
 
 def make_method(name: str, budget: int, n_layers: int, settings=None, policy=None) -> MT.Method:
-    """A method by its evaluate.py name: a rule, pyramidkv, a gracekv variant, or polykv (needs
-    a policy file)."""
-    s = settings or rules.RuleSettings()
-    if name in rules.RULES or name == "full":
-        return P.Policy.uniform(name, budget, n_layers, decode="append", settings=s)
-    if name == "pyramidkv":
-        return P.Pyramid(budget, s)
-    if name in gracekv.VARIANTS:
-        return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
-    if name == "polykv":
-        if policy is None:
-            raise UsageError("polykv needs --policy FILE (python calibrate.py --out FILE)")
-        pol = P.Policy.load(policy, n_layers=n_layers)
-        pol = pol if pol.budget == budget else pol.rescaled(budget)
-        return P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode[1])) for lp in pol.layers],
-                        pol.budget, pol.settings, pol.meta)
-    choices = ["full", *rules.RULES, "pyramidkv", *gracekv.VARIANTS, "polykv"]
-    raise UsageError(f"unknown method {name!r}; choose from {', '.join(choices)}")
+    """A method by its evaluate.py name (evaluate.method), with no decode-time eviction; polykv
+    reads its policy file."""
+    if name != "polykv":
+        return evaluate.method(name, budget, n_layers, settings, decode="append")
+    if policy is None:
+        raise UsageError("polykv needs --policy FILE (python calibrate.py --out FILE)")
+    pol = P.Policy.load(policy, n_layers=n_layers)
+    pol = pol if pol.budget == budget else pol.rescaled(budget)
+    return P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode[1])) for lp in pol.layers],
+                    pol.budget, pol.settings, pol.meta)
 
 
 @torch.no_grad()
