@@ -166,9 +166,10 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, flow: Optional[F
 
 
 @torch.no_grad()
-def observe(model, tokens, needs: Needs):
+def observe(model, tokens, needs: Needs, spy=None):
     """One full-attention prefill of tokens (B, T) recording what `needs` asks for, layer by
-    layer, each layer's attention computed once: (FullKV cache, Observation)."""
+    layer, each layer's attention computed once: (FullKV cache, Observation). spy: an extra
+    post-kernel callable (layer, q, q_pos, lc, out) that sees the same pass."""
     L = model.config.n_layers
     per_layer = needs.stats or (frozenset(),) * L
     obs = Observation([dict() for _ in range(L)],
@@ -178,8 +179,10 @@ def observe(model, tokens, needs: Needs):
         obs.stats[layer], fl = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.flow)
         if fl is not None:
             obs.flow.probes[layer], obs.flow.flow[layer] = fl
+        if spy is not None:
+            spy(layer, q, q_pos, lc, out)
 
-    hooks = M.Hooks(post_kernel=post_kernel) if any(per_layer) or needs.flow else None
+    hooks = M.Hooks(post_kernel=post_kernel) if any(per_layer) or needs.flow or spy else None
     return M.prefill(model, tokens, hooks), obs
 
 

@@ -67,7 +67,10 @@ def dump(model, tokens: torch.Tensor, method: MT.Method, name: str, budget: int,
          n_decode: int = 4, model_name: str = "") -> tuple:
     """(tensors, header) of the reference file for tokens (1, T)."""
     T, L = tokens.shape[1], model.config.n_layers
-    full, obs = MT.observe(model, tokens, method.needs(model))
+    P_ = min(n_probe, T)
+    qs = {}                   # probe queries: each layer's queries at the last P prompt positions
+    spy = lambda l, q, q_pos, lc, out: qs.__setitem__(l, (q[:, :, -P_:].clone(), q_pos[:, -P_:]))
+    full, obs = MT.observe(model, tokens, method.needs(model), spy)
     cache = method.compress(model, full, obs)
     S = max(lc.size for lc in cache.layers)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
@@ -82,12 +85,7 @@ def dump(model, tokens: torch.Tensor, method: MT.Method, name: str, budget: int,
             s, prot = rules.score(rule, rules.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings))
             sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
         t["scores"] = torch.stack(sc).float().cpu()                                           # (L, G, T)
-    # probe queries: each layer's queries at the last P prompt positions, over both caches
-    P_ = min(n_probe, T)
-    qs = {}
-    spy = lambda l, q, q_pos, lc, out: qs.__setitem__(l, (q[:, :, -P_:], q_pos[:, -P_:]))
-    M.prefill(model, tokens, M.Hooks(post_kernel=spy))
-    outs = {"out": [], "full_out": []}
+    outs = {"out": [], "full_out": []}          # the probe queries over both caches
     for key, c in (("out", cache), ("full_out", full)):
         for l in range(L):
             q, qp = qs[l]
