@@ -74,13 +74,12 @@ class LayerCache:
         new = {"k": k, "v": v, "pos": pos[:, None, :].expand(B, G, T),
                "bias": self.bias.new_zeros(B, G, T),
                "acc": None if self.acc is None else self.acc.new_zeros(B, G, T)}
+        b = self.buffer
         if not self._owns_tail(T):
             cap = S + T + max(64, (S + T) // 4)
             grow = lambda x: None if x is None else torch.cat(
                 (x, x.new_empty(*x.shape[:2], cap - S, *x.shape[3:])), 2)      # (B, G, cap, ·)
-            self = LayerCache(**{f: getattr(self, f) for f in FIELDS})
-            self.buffer = Buffer(*(grow(getattr(self, f)) for f in FIELDS), used=S)
-        b = self.buffer
+            b = Buffer(*(grow(getattr(self, f)) for f in FIELDS), used=S)
         for f in FIELDS:
             if new[f] is not None:
                 getattr(b, f)[:, :, S:S + T] = new[f]                              # in place
@@ -128,6 +127,7 @@ class Cache:
         return sum(lc.k.shape[0] * lc.k.shape[1] * lc.k.shape[2] for lc in self.layers)
 
     def fork(self) -> "Cache":
-        """An independent cache sharing the tensors (LayerCache ops never write in place): every
-        per-entry state is in the layers, so a fork decodes exactly as the original would."""
+        """An independent cache sharing the tensors (appends write only past every slot another
+        view sees, eviction makes new tensors): every per-entry state is in the layers, so a fork
+        decodes exactly as the original would."""
         return Cache(list(self.layers), self.next_pos, self.last_logits)

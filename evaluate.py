@@ -204,8 +204,10 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
             # slots (padding included; bytes = slots × 2·D·element size for both)
             r.update(peak_fraction=entries / ref_entries, alloc_fraction=slots / ref_slots)
         if item.sample is not None:
-            ids = M.greedy(model, cache.fork(), min(item.sample.max_new_tokens, methods.args.max_new_tokens),
-                           stop_ids(tok, item.sample), method.decoder)
+            n_new = min(item.sample.max_new_tokens, methods.args.max_new_tokens)
+            # a decoder that cannot evict within the answer would only cost time per step
+            ids = M.greedy(model, cache.fork(), n_new, stop_ids(tok, item.sample),
+                           method.decoder if method.evicts_within(T, n_new) else None)
             r["pred"] = tok.decode(ids)
             r["score"] = metrics.score(item.sample, r["pred"])
         out.append(r)
