@@ -94,11 +94,11 @@ def main(argv=None):
     t_obs, (full, obs) = timed(lambda: MT.observe_for(m, x, everyone), args.repeat)
     print(f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every default method "
           f"{t_obs:.2f} s = {t_obs / t_plain:.2f}x plain")
-    print("| method | " + " | ".join(f"compress s @ {b}" for b in budgets) + " |")
+    print("| method | " + " | ".join(f"compress s @ {b} (÷ plain prefill)" for b in budgets) + " |")
     print("|---|" + "---|" * len(budgets))
     for name, ms in made.items():
         cells = [timed(lambda: ms[b].compress(m, full, obs), args.repeat)[0] for b in budgets]
-        print(f"| {name} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+        print(f"| {name} | " + " | ".join(f"{c:.3f} ({c / t_plain:.2f}x)" for c in cells) + " |")
 
     # 2. decoding
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -59,6 +59,7 @@ class Plan:
     B_alloc: int
     nodes: Nodes = field(default_factory=Nodes)
     add_gain: dict = field(default_factory=dict)
+    add_rank: dict = field(default_factory=dict)  # root -> its heap rank (add_gain, or the lookahead's)
     split: dict = field(default_factory=dict)     # node -> (gain, cost, [children])
     steps: list = field(default_factory=list)
     frontier: set = field(default_factory=set)    # nodes in the cache at the end
@@ -104,10 +105,23 @@ def best_splits(cx, plan: Plan, ids: list):
         start += nk
 
 
+def peek(heap: list, k: int) -> list:
+    """The k best entries of a heap, best first, left in it: k pops and k pushes, O(k log n)
+    (heapq.nsmallest reads the whole heap). Entries are unique, so the pops that follow come
+    in the same order as before the peek."""
+    top = [heapq.heappop(heap) for _ in range(min(k, len(heap)))]
+    for e in top:
+        heapq.heappush(heap, e)
+    return top
+
+
 def allocate(cx, B_alloc: int) -> Plan:
     """Budget flow: a global max-heap over add(root) and split(added node) by gain per entry.
 
-    Δ_add(root) = ω·R·(D_drop − D(root)), cost 1. Nodes are evaluated lazily, in batches: before
+    Δ_add(root) = ω·R·(D_drop − D(root)), cost 1; with Settings.lookahead an add is ranked by
+    max(Δ_add, (Δ_add + Δ_split(root))/(1 + cost_split)) (SPEC.md §5: a slot whose mass sits on
+    one token has a poor root; the extraction behind it now competes), and popping it applies the
+    add alone (cost 1), after which its split competes on its own. Nodes are evaluated lazily, in batches: before
     an action is applied, the nodes it brings into the cache (and those of the next `prefetch`
     best actions) get their best split, so every available action is known when it competes.
     Extractions mark holes in cx.units.hole: one Context serves one allocate call."""
@@ -119,7 +133,15 @@ def allocate(cx, B_alloc: int) -> Plan:
         keep = (st["n"] > 0).nonzero()[:, 0]
         gain = (cx.omega[st["unit"]] * st["R"] * (st["Ddrop"] - st["D"]))[keep].tolist()
         plan.add_gain = dict(zip(plan.nodes.add(st, keep), gain))
-    heap = [(-g, i, "add", i) for i, g in plan.add_gain.items()]   # (−gain/cost, tie, kind, node)
+    rank = dict(plan.add_gain)
+    if cx.s.lookahead:        # an add ranked by the better of itself and "add + best first split"
+        best_splits(cx, plan, [i for i in plan.add_gain if plan.nodes.n[i] > 1])
+        for i, g in plan.add_gain.items():
+            if i in plan.split:
+                sg, sc, _ = plan.split[i]
+                rank[i] = max(g, (g + sg) / (1 + sc))                   # gain per entry of both
+    plan.add_rank = rank
+    heap = [(-g, i, "add", i) for i, g in rank.items()]             # (−gain/cost, tie, kind, node)
     heapq.heapify(heap)
     n, spent, tie = plan.nodes.n, 0, len(heap)
 
@@ -131,7 +153,7 @@ def allocate(cx, B_alloc: int) -> Plan:
         if entering(*heap[0][2:]):
             # evaluate what the next `prefetch` actions bring in, then, for nodes whose own split
             # ranks above the prefetch-th action, their children too (they will be needed first)
-            top = heapq.nsmallest(cx.s.prefetch, heap)
+            top = peek(heap, cx.s.prefetch)
             tau, done = -top[-1][0], 0
             todo = {c for e in top for c in entering(*e[2:])}
             while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead

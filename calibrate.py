@@ -68,6 +68,8 @@ TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeate
 TEXT_VERSION = "dev2"
 # prefill patterns (SPEC.md §4): every registered rule but the random floor
 POOL = tuple(name for name, r in rules.RULES.items() if r.pool)
+# calibration procedures: the paper's (this module) and the joint one (joint.py)
+PROCEDURES = ("paper", "joint")
 # decode patterns that evict at a fixed budget (every decode form but append)
 DECODE_POOL = tuple(name for name, d in rules.DECODE.items() if d.score is not None)
 
@@ -118,7 +120,8 @@ def _nll(model, x, cont) -> float:
 def reference(model, prompt, cont, settings: RuleSettings) -> dict:
     """One FullKV prefill of prompt (1, T) with every pool statistic, then the continuation
     cont (1, n) under FullKV, one layer at a time: each layer's input x_l (1, n, dim), its
-    attention output (1, H, n, D), its attention entropy, and the continuation's NLL."""
+    attention output (1, H, n, D), its attention entropy, the continuation's NLL and the last
+    layer's output `last` (1, n, dim)."""
     L = model.config.n_layers
     pool = [Policy.uniform(r, 1, L, settings=settings) for r in POOL]   # every pool rule's needs
     full, obs = methods.observe_for(model, prompt, pool)
@@ -136,7 +139,7 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
         x, _ = model.layers[l](x, pos, full.layers[l], model.inv_freq, l, Hooks(post_kernel=spy), model.sdpa)
     return {"full": full, "obs": obs, "cont": cont, "pos": pos, "xs": xs,
             "out": [rec[l][0] for l in range(L)], "entropy": [rec[l][1] for l in range(L)],
-            "nll": _nll(model, x, cont)}
+            "nll": _nll(model, x, cont), "last": x}
 
 
 def probe_policy(L: int, layer: int, prefill: tuple, decode: tuple, budget: int,
@@ -258,7 +261,7 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
     for l in range(L):
         dec = "append" if b["decode"][l] >= b["prefill"][l] + horizon else rules["decode"][l]
         layers.append(LayerPolicy((rules["prefill"][l], b["prefill"][l]), (dec, b["decode"][l])))
-    meta = {**(meta or {}), "method": "polykv", "preference": preference,
+    meta = {**(meta or {}), "method": "polykv", "procedure": "paper", "preference": preference,
             "sensitivity": sensitivity, "b_min": b_min, "cap": cap, "decode_horizon": horizon,
             "signals": sig}
     if "uniform_dppl" in sig:     # the best single rule at this budget, for budget_only
@@ -281,33 +284,42 @@ def check_args(budget: int, n_prompts: int, prompt_len: int, cont_len: int, b_mi
 def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
               cont_len: int = 64, preference: str = "cosine", sensitivity: str = "entropy",
               b_min=None, settings: RuleSettings = RuleSettings(), texts=None,
-              model_name: str = "", log=None) -> Policy:
+              model_name: str = "", log=None, procedure: str = "paper", signal: str = "cosine") -> Policy:
     """Measure the signals on the calibration set once and build the policy. texts: optional
-    [(prompt_ids, cont_ids)] in place of `tasks.calibration_texts` (then tok is unused)."""
+    [(prompt_ids, cont_ids)] in place of `tasks.calibration_texts` (then tok is unused).
+    procedure: "paper" (this module) or "joint" (joint.py; `signal` kl|cosine, preference,
+    sensitivity and b_min unused)."""
+    if procedure not in PROCEDURES:
+        raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
     if texts is None:
         check_args(budget, n_prompts, prompt_len, cont_len, b_min)
         texts = tasks.calibration_texts(tok, n_prompts, prompt_len, cont_len, seed)
     T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
     check_args(budget, len(texts), T, n, b_min)
     M.check_length(model, T + n)
-    sig = measure(model, texts, budget, preference, settings, log)
     meta = {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given",
         "n_prompts": len(texts), "prompt_len": T, "cont_len": n}}
+    if procedure == "joint":
+        import joint
+        return joint.build(joint.measure(model, texts, budget, signal, settings=settings, log=log),
+                           budget, settings, meta)
+    sig = measure(model, texts, budget, preference, settings, log)
     return build(sig, budget, preference, sensitivity, b_min, cap=T, horizon=n,
                  settings=settings, meta=meta)
 
 
-def policy_path(model_name: str, budget: int, seed: int, cache_dir) -> Path:
-    """Where policy_for keeps the policy of (model name, budget, seed, calibration text)."""
+def policy_path(model_name: str, budget: int, seed: int, cache_dir, procedure: str = "paper") -> Path:
+    """Where policy_for keeps the policy of (procedure, model name, budget, seed, calibration text)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
-    return Path(cache_dir) / f"polykv-{name}-B{budget}-seed{seed}-{TEXT_VERSION}.json"
+    kind = "polykv" if procedure == "paper" else f"polykv-{procedure}"
+    return Path(cache_dir) / f"{kind}-{name}-B{budget}-seed{seed}-{TEXT_VERSION}.json"
 
 
 def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_dir="runs/policies",
                **kw) -> Policy:
     """Calibrate once per (model name, budget, seed) and keep the JSON; later calls load it."""
-    path = policy_path(model_name, budget, seed, cache_dir)
+    path = policy_path(model_name, budget, seed, cache_dir, kw.get("procedure", "paper"))
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}
@@ -368,24 +380,28 @@ def table(policy: Policy) -> str:
     return "\n".join(rows)
 
 
-def plot(policy: Policy, path) -> str:
-    """Bars: prefill budget per layer, coloured by the prefill rule. Needs matplotlib."""
+def plot(policies, path) -> str:
+    """Bars: prefill budget per layer, coloured by the prefill rule; one panel per policy (a
+    Policy or a list of them, e.g. the paper's and the joint procedure's). Needs matplotlib."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
         return "matplotlib is not installed: no plot written"
-    colour = dict(zip(POOL, ("tab:blue", "tab:orange", "tab:green", "tab:red")))
-    fig, ax = plt.subplots(figsize=(10, 3.5))
-    for l, lp in enumerate(policy.layers):
-        ax.bar(l, lp.prefill[1], color=colour.get(lp.prefill[0], "grey"))
-    ax.axhline(policy.budget, color="grey", ls="--", lw=1, label=f"B = {policy.budget}")
-    for r in POOL:
-        ax.bar(0, 0, color=colour[r], label=r)
-    ax.set(xlabel="layer", ylabel="prefill budget (entries per KV head)",
-           title=f"PolyKV policy: {policy.meta.get('model', '')}, B = {policy.budget}")
-    ax.legend(ncol=5, fontsize=8)
+    policies = [policies] if isinstance(policies, Policy) else list(policies)
+    colour = dict(zip(POOL, ("tab:blue", "tab:orange", "tab:green", "tab:red", "tab:purple")))
+    fig, axes = plt.subplots(1, len(policies), figsize=(7 * len(policies), 3.5), squeeze=False)
+    for ax, policy in zip(axes[0], policies):
+        for l, lp in enumerate(policy.layers):
+            ax.bar(l, lp.prefill[1], color=colour.get(lp.prefill[0], "grey"))
+        ax.axhline(policy.budget, color="grey", ls="--", lw=1, label=f"B = {policy.budget}")
+        for r in POOL:
+            ax.bar(0, 0, color=colour[r], label=r)
+        ax.set(xlabel="layer", ylabel="prefill budget (entries per KV head)",
+               title=f"PolyKV ({policy.meta.get('procedure', 'paper')}): {policy.meta.get('model', '')}, "
+                     f"B = {policy.budget}")
+        ax.legend(ncol=3, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return f"wrote {path}"
@@ -401,13 +417,35 @@ def main(argv=None):
     ap.add_argument("--n-prompts", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=2048)
     ap.add_argument("--cont-len", type=int, default=64)
+    ap.add_argument("--procedure", choices=PROCEDURES, default="paper",
+                    help="paper: each layer probed alone (the paper); joint: every choice scored "
+                         "with the other layers compressed (joint.py)")
+    ap.add_argument("--signal", choices=("kl", "cosine"), default="cosine",
+                    help="joint procedure's score (cosine: better on dev, see joint.py)")
     ap.add_argument("--preference", choices=("cosine", "ppl"), default="cosine")
     ap.add_argument("--sensitivity", choices=("entropy", "ppl"), default="entropy")
     ap.add_argument("--b-min", type=int, default=None, help="budget floor (default B // 4)")
     ap.add_argument("--plot", default=None, help="write a per-layer PNG (needs matplotlib)")
     ap.add_argument("--threads", type=int, default=1,   # probes are 64-row matmuls: see docstring
                     help="torch intra-op CPU threads (default 1)")
+    ap.add_argument("--show", nargs="+", default=None, metavar="POLICY",
+                    help="print the tables of existing policy files (and --plot them side by side); no calibration")
     a = ap.parse_args(argv)
+    if a.show:
+        try:
+            pols = [Policy.load(f) for f in a.show]
+        except UsageError as e:
+            sys.exit(f"error: {e}")
+        for f, pol in zip(a.show, pols):
+            print(f"{f}:")
+            if pol.meta.get("procedure") == "joint":
+                import joint
+                print(joint.table(pol))
+            elif "signals" in pol.meta:
+                print(table(pol))
+        if a.plot:
+            print(plot(pols, a.plot))
+        return
     torch.set_num_threads(max(1, a.threads))
     name = Path(a.model).name if a.model else M.default_model_dir().name
     b_min = a.budget // 4 if a.b_min is None else a.b_min
@@ -423,17 +461,22 @@ def main(argv=None):
                 raise UsageError(f"cannot write {f!r}: no such folder")
         m, tok = M.load(a.model)
         pol = calibrate(m, tok, a.budget, a.seed, a.n_prompts, a.prompt_len, a.cont_len,
-                        a.preference, a.sensitivity, b_min, model_name=name, log=print)
+                        a.preference, a.sensitivity, b_min, model_name=name, log=print,
+                        procedure=a.procedure, signal=a.signal)
     except UsageError as e:
         sys.exit(f"error: {e}")
     try:
         pol.save(a.out)
     except OSError as e:
         sys.exit(f"error: cannot write {a.out!r}: {e.strerror}")
-    print(table(pol))
-    u = pol.meta["signals"]["uniform_dppl"]
-    print("uniform baselines, ΔPPL on the calibration text: "
-          + ", ".join(f"{r} {u[r]:+.4f}" for r in POOL) + f"; best uniform: {pol.meta['best_uniform']}")
+    if a.procedure == "joint":
+        import joint
+        print(joint.table(pol))
+    else:
+        print(table(pol))
+        u = pol.meta["signals"]["uniform_dppl"]
+        print("uniform baselines, ΔPPL on the calibration text: "
+              + ", ".join(f"{r} {u[r]:+.4f}" for r in POOL) + f"; best uniform: {pol.meta['best_uniform']}")
     print(f"wrote {a.out} in {time.time() - t0:.0f} s")
     if a.plot:
         try:

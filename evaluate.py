@@ -70,7 +70,9 @@ from errors import UsageError
 
 # FullKV, every registered rule (rules.RULES) and PyramidKV's schedule
 UNIFORM = ("full",) + tuple(name for name in rules.RULES if name != "random") + ("pyramidkv", "random")
-POLYKV = ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill")
+# PolyKV rows: the paper's calibration and the joint one (joint.py), each with its ablations
+POLYKV = ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill",
+          "polykv-joint", "polykv-joint-pattern", "polykv-joint-budget")
 METHODS = UNIFORM + POLYKV + tuple(gracekv.VARIANTS)
 DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
 
@@ -137,20 +139,23 @@ class Methods:
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
 
-    def calibrated(self, budget):
-        """--policy FILE (rescaled to each budget), else one calibration per budget, cached."""
-        key = "file" if self.args.policy else budget
+    def calibrated(self, budget, procedure="paper"):
+        """--policy FILE (rescaled to each budget; every PolyKV row runs it), else one
+        calibration per (procedure, budget), cached."""
+        key = "file" if self.args.policy else (procedure, budget)
         if key not in self.policies:
             if self.args.policy:
                 self.policies[key] = P.Policy.load(self.args.policy, n_layers=self.L)
             else:
                 import calibrate
-                path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir)
-                print(f"polykv: policy for budget {budget}: " + (f"{path}" if path.exists() else
-                      f"calibrating once into {path} (about 3 min on 2 CPU cores)"), flush=True)
-                log = lambda s: print(f"polykv calibration B={budget}: {s}", flush=True)
+                path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
+                                             procedure)
+                print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
+                      f"calibrating once into {path} (about 3-5 min on 2 CPU cores)"), flush=True)
+                log = lambda s: print(f"polykv {procedure} calibration B={budget}: {s}", flush=True)
                 self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
-                                                          self.args.seed, Path(self.args.cache_dir), log=log)
+                                                          self.args.seed, Path(self.args.cache_dir), log=log,
+                                                          procedure=procedure)
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
@@ -167,10 +172,12 @@ class Methods:
                 return pol
         else:
             import calibrate
-            pol = self.calibrated(budget)
+            procedure = "joint" if name.startswith("polykv-joint") else "paper"
+            pol = self.calibrated(budget, procedure)
+            ablation = name.replace("-joint", "")
             pol = {"polykv": lambda p: p, "polykv-pattern": calibrate.pattern_only,
                    "polykv-prefill": calibrate.prefill_only,
-                   "polykv-budget": lambda p: calibrate.budget_only(p, p.meta.get("best_uniform", "snapkv"))}[name](pol)
+                   "polykv-budget": lambda p: calibrate.budget_only(p, p.meta.get("best_uniform", "snapkv"))}[ablation](pol)
         return pol.with_allowance(self.args.allowance) if self.args.memory == "equal" else pol
 
 
@@ -207,7 +214,8 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
             n_new = min(item.sample.max_new_tokens, methods.args.max_new_tokens)
             # a decoder that cannot evict within the answer would only cost time per step
             ids = M.greedy(model, cache.fork(), n_new, stop_ids(tok, item.sample),
-                           method.decoder if method.evicts_within(T, n_new) else None)
+                           method.decoder if method.evicts_within(T, n_new) else None,
+                           answer_done(tok, item.sample))
             r["pred"] = tok.decode(ids)
             r["score"] = metrics.score(item.sample, r["pred"])
         out.append(r)
@@ -220,6 +228,21 @@ def stop_ids(tok, sample) -> set:
     if sample.stop_at_newline:
         return set(tok.eos_ids) | {tok.encode("\n", add_special_tokens=False)[-1]}
     return set(tok.eos_ids)
+
+
+def answer_done(tok, sample):
+    """When a greedy answer is complete, before the token cap: for the tasks scored on their
+    first line (RULER's needles, LongBench's FIRST_LINE_TASKS), once a newline follows text
+    other than whitespace; None (run to the cap or EOS) for the others.
+
+    LongBench's first-line tasks: exact (the scored line is complete at that newline).
+    RULER: our choice — its scorer (scripts/eval/evaluate.py postprocess_pred + string_match)
+    searches the whole prediction; the answers are one short line, and on the reference run's
+    1,280 needle predictions no answer appeared after the first non-blank line. The cap stays
+    RULER's 128 tokens (24 on CPU, evaluate.py --max-new-tokens)."""
+    if not (sample.metric.startswith("string_match") or sample.task in metrics.FIRST_LINE_TASKS):
+        return None
+    return lambda ids: "\n" in tok.decode(ids).lstrip()
 
 
 def read_rows(jsonl: Path) -> list:

@@ -64,7 +64,10 @@ budget flow (step 5: the greedy, the cache it assembles) is in budgetflow.py.
 
 Cost: the value flow shares the one observation pass over each layer's attention with the other
 methods' statistics (methods.observe_layer); nodes are evaluated lazily, batched over all units
-(see budgetflow.allocate).
+(budgetflow.allocate; the probe logits of a batch of nodes are one batched product,
+prototypes.probe_logits). Memory beyond the FullKV cache: k°, v (U, T, D) and the probe logits
+(U, P, T), which exist twice while context() lays them out per token — about
+(2 + 3·P/D)·U·T·D·4 bytes in fp32 (README: ≈ 10.7 GB for Llama-3.1-8B at 16K tokens).
 """
 from __future__ import annotations
 
@@ -100,6 +103,12 @@ class Settings:
     floor_frac: float = 0.95  # singleton floor: share of the non-window budget [choice: measured, see docstring]
     prototype_key: str = "unrotated"  # "unrotated": RoPE(mean k°, mean position) (the write-up);
                                       # "post": mean of the post-RoPE keys, q·k̃ = mean_t q·k_t exactly (SPEC §5)
+    multiplicity: str = "hbar"  # log m of a prototype: "hbar" m = clamp(n·ħ², 1, n) (the write-up);
+                                # "n" m = n (Jensen's lower bound of Z with the post key); "fit":
+                                # fitted on the probes, mass-weighted mean of log Z − q·k̃, in [0, log n + fit_slack]
+    fit_slack: float = 2.0    # c in the fitted bias's clamp [0, log n + c] (SPEC §5) [choice]
+    lookahead: bool = False   # rank an add by max(Δ_add, (Δ_add + its best first split)/2) (SPEC §5)
+    unit_relevance: float = 0.0  # μ: R_u = (1−μ)·shared row + μ·unit u's own row (SPEC §5)
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
@@ -113,6 +122,10 @@ class Settings:
             raise UsageError("need 0 <= lambda_graph <= 1, 0 <= floor_frac <= 1, hops >= 0")
         if self.prototype_key not in ("unrotated", "post"):
             raise UsageError(f"prototype_key must be 'unrotated' or 'post', got {self.prototype_key!r}")
+        if self.multiplicity not in ("hbar", "n", "fit"):
+            raise UsageError(f"multiplicity must be 'hbar', 'n' or 'fit', got {self.multiplicity!r}")
+        if not (0 <= self.unit_relevance <= 1 and self.fit_slack >= 0):
+            raise UsageError("need 0 <= unit_relevance <= 1 and fit_slack >= 0")
 
 
 # ----------------------------------------------------------------------------- observation
@@ -212,13 +225,16 @@ def head_weights(model, full: Cache, lg, acc) -> torch.Tensor:
 
 def relevance(flow: Flow, Tc: int, s: Settings):
     """Step 3, value flow: ŝ_j, d̂_j normalised over the context per unit (U, Tc);
-    R = (1−λ_graph)·mean_units ŝ_j + λ_graph·mean_units d̂_j, one row (Tc,) shared by every
-    unit, with d = Σ_{k=1..hops} decay^(k−1)·x^k. Returns (R, ŝ)."""
+    R_j = (1−λ_graph)·ŝ_j + λ_graph·d̂_j per unit with d = Σ_{k=1..hops} decay^(k−1)·x^k; the
+    write-up's row shared by every unit is mean_j R_j; each unit gets
+    (1−μ)·mean_j R_j + μ·R_j (μ = unit_relevance; 0 = the write-up). Returns (R (U, Tc), ŝ)."""
     x = torch.stack(flow.flow)[..., :Tc]                             # (L, hops+1, G, Tc)
     unit = lambda y: y.reshape(-1, Tc) / y.reshape(-1, Tc).sum(-1, keepdim=True).clamp(min=1e-300)
     s_hat = unit(x[:, 0])                                            # (U, Tc)
     d_hat = unit(sum(s.decay ** (k - 1) * x[:, k] for k in range(1, s.hops + 1)) if s.hops else x[:, 0])
-    return (1 - s.lambda_graph) * s_hat.mean(0) + s.lambda_graph * d_hat.mean(0), s_hat
+    R = (1 - s.lambda_graph) * s_hat + s.lambda_graph * d_hat        # (U, Tc), Σ_t = 1 per unit
+    mix = (1 - s.unit_relevance) * R.mean(0) + s.unit_relevance * R if s.unit_relevance else R.mean(0).expand_as(R)
+    return mix, s_hat
 
 
 def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
@@ -241,7 +257,7 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     q, lg, c = probes(model, full, flow, acc)                       # (U, P, D), (U, P, T), (U, P)
     omega = head_weights(model, full, lg, acc)                       # (U,)
-    R, s_hat = relevance(flow, Tc, s)                                # (Tc,), (U, Tc)
+    R, s_hat = relevance(flow, Tc, s)                                # (U, Tc), (U, Tc)
     kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
     pos = torch.arange(T, device=q.device)
     pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
@@ -251,7 +267,7 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     units = Units(kr=kr, v=torch.cat([pad(lc.v[0, :, :Tc].to(acc)) for lc in full.layers]), k=post,
                   knorm=kr.norm(dim=-1),
                   lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
-                  q=q, c=c, R=F.pad(R, (0, 1)).expand(len(kr), -1).contiguous(),      # (U, Tc+1)
+                  q=q, c=c, R=F.pad(R, (0, 1)).contiguous(),                          # (U, Tc+1)
                   hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
                   inv_freq=model.inv_freq, s=s)
     return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,

@@ -123,13 +123,16 @@ METRICS = {f.__name__: f for f in (string_match_all, string_match_part, qa_f1_sc
                                    classification_score, retrieval_score, count_score, code_sim_score)}
 
 
+FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")   # LongBench eval.py: scored on the first line
+
+
 def score(sample, pred: str) -> float:
     """One sample's score in [0, 100], with each benchmark's post-processing of the prediction."""
     fn = METRICS[sample.metric]
     if sample.metric.startswith("string_match"):
         # RULER scripts/eval/evaluate.py postprocess_pred: control characters become newlines
         return fn(re.sub(r"[\x00-\x1f]", "\n", pred.strip()).strip(), sample.answers)
-    if sample.task in ("trec", "triviaqa", "samsum", "lsht"):    # LongBench eval.py scorer
+    if sample.task in FIRST_LINE_TASKS:
         pred = pred.lstrip("\n").split("\n")[0]
     return 100.0 * max((fn(pred, gt, all_classes=sample.all_classes or ()) for gt in sample.answers),
                        default=0.0)

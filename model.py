@@ -383,15 +383,19 @@ def generate(model: Llama, tok, prompt: str, method=None, max_new_tokens: int = 
 
 
 @torch.no_grad()
-def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=(), decoder: Optional[Hooks] = None) -> list:
+def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=(), decoder: Optional[Hooks] = None,
+           done=None) -> list:
     """Greedy continuation of a prefilled cache (batch 1): token ids, eos excluded. decoder: the
-    method's decode-time eviction (None = append)."""
+    method's decode-time eviction (None = append); done(ids) -> bool: the answer is complete
+    (checked after each token, which is kept)."""
     out = []
     for _ in range(max_new_tokens):
         nxt = int(cache.last_logits[0].argmax())
         if nxt in eos_ids:
             break
         out.append(nxt)
+        if done is not None and done(out):
+            break
         model.step(torch.tensor([[nxt]], device=model.device), cache, decoder)
     return out
 

@@ -63,17 +63,27 @@ def node_stats(cx: Units, unit, a, b, skip=None) -> dict:
     Sorted by length, in chunks."""
     skip = torch.full_like(a, -1) if skip is None else skip
     length = b - a
-    order = length.argsort()                                                  # short spans together
+    order = length.argsort(stable=True)                                     # short spans together
     lens, parts, i = length[order].clamp(min=1).tolist(), [], 0
     cap = max(1, (1 << 21) // cx.lg.shape[2])           # (node, token) pairs per chunk: memory bound
-    while i < len(lens):
+    while i < len(lens):             # a chunk: 64 spans, then only up to twice the shortest (padding)
         j = i + 1
-        while j < len(lens) and (j + 1 - i) * lens[j] <= cap:
+        while j < len(lens) and (j + 1 - i) * lens[j] <= cap and (j - i < 64 or lens[j] < 2 * lens[i]):
             j += 1
         parts.append(_node_stats(cx, *(x[order[i:j]] for x in (unit, a, b, skip)), lens[j - 1]))
         i = j
     inv = order.argsort()
     return {k: torch.cat([p[k] for p in parts])[inv] for k in parts[0]}
+
+
+def probe_logits(q, u, key, max_elems: int = 1 << 22):
+    """q_u·k̃/√D (N, P) of node keys key (N, D) of units u (N,) against their unit's probes
+    q (U, P, D): one batched product per chunk of nodes, the gathered probes (chunk, P, D)
+    bounded by max_elems."""
+    step = max(1, max_elems // (q.shape[1] * q.shape[2]))
+    out = [torch.bmm(q.index_select(0, u[i:i + step]), key[i:i + step, :, None])[..., 0]
+           for i in range(0, len(u), step)]
+    return torch.cat(out) / math.sqrt(key.shape[-1]) if out else key.new_zeros(0, q.shape[1])
 
 
 def _node_stats(cx: Units, u, a, b, skip, n):
@@ -89,15 +99,14 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     nf = cnt.clamp(min=1).to(cx.kr.dtype)
     flat = (u[:, None] * (Tc + 1) + ix).view(-1)                              # rows of (U·(Tc+1), ·)
     rows = lambda x: x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
-    K, V = rows(cx.kr), rows(cx.v)                                            # (N, n, D), 0 outside
-    kbar = K.sum(1) / nf[:, None]                                             # mean k°  (N, D)
+    V = rows(cx.v)                                                            # (N, n, D), 0 outside
+    if cx.k is None or s.multiplicity == "hbar":
+        kbar = rows(cx.kr).sum(1) / nf[:, None]                               # mean k°  (N, D)
     p = ((idx * mask).sum(1) / nf).round()                                    # rounded mean position
     if cx.k is None:
         key = M.apply_rope(kbar, p, cx.inv_freq)                              # k̃ = RoPE(mean k°, p̃)
     else:                                             # k̃ = mean_t k_t: q·k̃ = mean_t q·k_t, any q
         key = rows(cx.k).sum(1) / nf[:, None]
-    hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)           # ħ = ‖mean k°‖/mean‖k°‖
-    logm = (nf * hbar ** 2).clamp(min=1).minimum(nf).log()                   # m = clamp(n ħ², 1, n)
     Rt = rows(cx.R)                                                           # (N, n), 0 outside
     w = Rt + s.beta / Tc * mask.to(Rt.dtype)                                  # R_t + β, β = 0.1/Tc
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
@@ -106,14 +115,22 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     e = (lg - mx[:, None]).exp_()
     Z = e.sum(1)                                                              # (N, P)
     logZ = Z.log() + mx
-    # ‖μ‖² = eᵀ(VVᵀ)e / Z² and ⟨μ, ṽ⟩ = eᵀ(Vṽ) / Z: no (N, P, D) tensor, n²·(D+P) per node
-    mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1) / Z ** 2                    # (N, P)
-    muv = (e * (V @ val[..., None])).sum(1) / Z                               # (N, P)
-    by_unit = u.argsort()                                                     # q_u·k̃ unit by unit
-    counts = torch.bincount(u, minlength=cx.q.shape[0]).tolist()
-    qk = torch.cat([k @ cx.q[j].T for j, k in enumerate(key[by_unit].split(counts)) if len(k)])
-    qk = qk[by_unit.argsort()] / math.sqrt(key.shape[-1])                     # (N, P) q_u·k̃/√D
-    logZp = logm[:, None] + qk - cx.c.index_select(0, u)            # log Z̃ = log m + q·k̃/√D − c
+    Pn, Dh = e.shape[2], V.shape[2]
+    if n * (Dh + Pn) <= Pn * Dh:     # short spans: ‖μ‖² = eᵀ(VVᵀ)e / Z², n²·(D+P) per node
+        mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1) / Z ** 2                # (N, P)
+    else:                            # long spans: μ = eᵀV / Z directly, n·P·D per node
+        mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1) / Z ** 2                 # (N, P)
+    muv = (e * (V @ val[..., None])).sum(1) / Z                               # (N, P) ⟨μ, ṽ⟩
+    qk = probe_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
+    if s.multiplicity == "hbar":
+        hbar = kbar.norm(dim=-1) / (rows(cx.knorm).sum(1) / nf + s.eps)       # ħ = ‖mean k°‖/mean‖k°‖
+        logm = (nf * hbar ** 2).clamp(min=1).minimum(nf).log()               # m = clamp(n ħ², 1, n)
+    elif s.multiplicity == "n":
+        logm = nf.log()                                                      # m = n
+    else:                             # fitted: mass-weighted mean over probes of log Z − q·k̃/√D
+        fit = (torch.softmax(logZ, -1) * (logZ - qk)).sum(-1)
+        logm = torch.minimum(fit.clamp(min=0), nf.log() + s.fit_slack)
+    logZp = logm[:, None] + qk                                      # log Z̃ = log m + q·k̃/√D − c
     D, Dd = distortion(logZ, mu2, muv, logZp, val.pow(2).sum(-1), s)
     zero = torch.zeros((), dtype=D.dtype, device=D.device)
     return dict(unit=u, a=a + first, b=a + last + 1, n=cnt, R=Rt.sum(1),

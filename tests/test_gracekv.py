@@ -136,13 +136,22 @@ def naive_node(cx, j, toks, s):
     kbar = kr.mean(0)
     p = torch.tensor(toks, dtype=torch.float64).mean().round()
     key = M.apply_rope(kbar, p, cx.inv_freq)
+    if s.prototype_key == "post":
+        key = M.apply_rope(kr, torch.tensor(toks), cx.inv_freq).mean(0)       # mean post-RoPE key
     hb = kbar.norm() / (kr.norm(dim=-1).mean() + s.eps)
     mm = min(max(len(toks) * hb.item() ** 2, 1.0), len(toks))
+    logit = cx.q[j] @ key / math.sqrt(key.shape[-1]) - cx.c[j]               # (P,) q·k̃/√D − c
+    if s.multiplicity == "n":
+        mm = len(toks)
+    elif s.multiplicity == "fit":     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
+        lZ = cx.lg[j, toks].exp().sum(0).log()
+        fit = float((torch.softmax(lZ, 0) * (lZ - logit)).sum())
+        mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + s.fit_slack))
     w = R + s.beta * cx.R[j, :cx.Tc].mean()
     val = (w[:, None] * v).sum(0) / w.sum()
     lg = cx.lg[j, toks]                                                       # (n, P) log A
     Z, Mx = lg.exp().sum(0), lg.exp().T @ v                                   # (P,), (P, D)
-    Zp = mm * torch.exp(cx.q[j] @ key / math.sqrt(key.shape[-1]) - cx.c[j])
+    Zp = mm * torch.exp(logit)
     # D_u = (Z − Z̃)²/Z² + ‖M − M̃‖²/(‖M‖² + ε·Z²): ε on the scale-free ‖μ‖² = ‖M/Z‖²
     denom = (Mx ** 2).sum(-1) + s.eps * Z ** 2
     Dq = (Z - Zp) ** 2 / Z ** 2 + ((Mx - Zp[:, None] * val) ** 2).sum(-1) / denom
@@ -152,11 +161,15 @@ def naive_node(cx, j, toks, s):
                 Ddrop=float((wq * Dd).sum()), R=float(R.sum()))
 
 
-@given(st.integers(16, 40), st.integers(0, 3))
-def test_prototype_and_distortion_equal_naive(T, seed):
-    m = tiny(seed)
-    full, stats = GK.observe(m, tokens(seed, T), SET, chunk=CHUNK)
-    cx = GK.context(m, full, stats, 4, SET)
+VARIANTS = [{}, {"prototype_key": "post", "multiplicity": "fit"}, {"multiplicity": "n"},
+            {"prototype_key": "post", "multiplicity": "fit", "lookahead": True, "unit_relevance": 0.5}]
+
+
+@given(st.integers(16, 40), st.integers(0, 3), st.sampled_from(VARIANTS))
+def test_prototype_and_distortion_equal_naive(T, seed, over):
+    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, **over})
+    full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
+    cx = GK.context(m, full, stats, 4, s)
     g = torch.Generator().manual_seed(seed)
     U, Tc = cx.units.kr.shape[0], cx.Tc
     u = torch.randint(U, (12,), generator=g)
@@ -165,7 +178,7 @@ def test_prototype_and_distortion_equal_naive(T, seed):
     got = PR.node_stats(cx.units, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
-        want = naive_node(cx.units, int(u[i]), toks, SET)
+        want = naive_node(cx.units, int(u[i]), toks, s)
         assert int(got["n"][i]) == len(toks)
         for k in ("key", "val"):
             torch.testing.assert_close(got[k][i], want[k], rtol=1e-10, atol=1e-12)
@@ -195,10 +208,11 @@ def replay(plan, B_alloc):
     added_roots, frontier, spent = set(), set(), 0
     n = plan.nodes.n
     for kind, v, gain, cost in plan.steps:
-        avail = [g for r, g in plan.add_gain.items() if r not in added_roots and spent + 1 <= B_alloc]
+        rank = plan.add_rank[v] if kind == "add" else gain / cost              # what the heap compared
+        avail = [plan.add_rank[r] for r in plan.add_gain if r not in added_roots and spent + 1 <= B_alloc]
         avail += [plan.split[f][0] / plan.split[f][1] for f in frontier
                   if n[f] > 1 and spent + plan.split[f][1] <= B_alloc]
-        assert gain / cost >= max(avail)
+        assert rank >= max(avail)
         if kind == "add":
             assert v in plan.add_gain and v not in added_roots and cost == 1
             added_roots.add(v)
@@ -213,10 +227,11 @@ def replay(plan, B_alloc):
     return frontier
 
 
-@given(st.integers(14, 48), st.data(), st.integers(0, 3), st.sampled_from([0.1, 0.95]))
-def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac):
+@given(st.integers(14, 48), st.data(), st.integers(0, 3), st.sampled_from([0.1, 0.95]), st.sampled_from(VARIANTS))
+def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
+    """Also with the one-step lookahead: it never spends more than the budget."""
     B = data.draw(st.integers(1, T - 1))
-    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "floor_frac": floor_frac})
+    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "floor_frac": floor_frac, **over})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cache, plan = GK.compress(m, full, stats, B, s, return_plan=True)
     L, G = 2, 2
@@ -349,3 +364,15 @@ def test_budget_within_the_window_keeps_the_sink():
     cache = GK.compress(m, full, stats, B, SET)
     for lc in cache.layers:
         assert lc.pos[0].tolist() == [[0, T - 2, T - 1]] * m.config.n_kv_heads
+
+
+@given(st.lists(st.floats(-5, 5), max_size=40), st.integers(0, 50))
+def test_peek_is_nsmallest_and_leaves_the_pop_order(gains, k):
+    """budgetflow.peek: the k best heap entries, and the heap pops in the same order after it."""
+    import heapq
+    from budgetflow import peek
+    heap = [(-g, i, "add", i) for i, g in enumerate(gains)]
+    heapq.heapify(heap)
+    twin = list(heap)
+    assert peek(heap, k) == heapq.nsmallest(k, twin)
+    assert [heapq.heappop(heap) for _ in range(len(heap))] == sorted(twin)

@@ -437,3 +437,33 @@ def test_embedded_tokenizer_longbench_truncation_and_fidelity(tmp_path, smol):
     assert s.prompt.endswith("Question: Who wrote it?\n\nAnswer:") and s.max_new_tokens == 128
     p, c = tasks.fidelity_text(smol, 2048, 64, seed=0, index=0)
     assert len(p) == 2048 and len(c) == 64 and p != tasks.fidelity_text(smol, 2048, 64, seed=0, index=1)[0]
+
+
+def test_answers_stop_after_their_first_line(tok):
+    """evaluate.answer_done: RULER and LongBench first-line tasks stop once a newline follows
+    non-blank text (leading blank lines do not stop them); other tasks run to the cap; and
+    model.greedy keeps the token that completed the answer, then stops."""
+    import torch
+
+    import evaluate as E
+    import model as M
+    ruler = tasks.RULER_TASKS["niah_single_1"](tok, 600, seed=0)
+    done = E.answer_done(tok, ruler)
+    enc = lambda s: tok.encode(s, add_special_tokens=False)
+    assert not done(enc(" \n")) and not done(enc("\n\n 1234")) and done(enc(" 1234.\n"))
+    qa = tasks.Sample("narrativeqa", 0, "p", ["a"], "qa_f1_score", 8)
+    assert E.answer_done(tok, qa) is None
+    trec = tasks.Sample("trec", 0, "p", ["a"], "classification_score", 8)
+    assert E.answer_done(tok, trec)(enc("Location\nmore"))
+
+    class Stub:                 # a model whose logits always pick token 5; counts its steps
+        steps = 0
+        device = "cpu"
+
+        def step(self, x, cache, hooks=None):
+            Stub.steps += 1
+
+    class Cache:
+        last_logits = torch.nn.functional.one_hot(torch.tensor([5]), 10).float()
+    ids = M.greedy(Stub(), Cache(), 9, (), None, done=lambda ids: len(ids) == 3)
+    assert ids == [5, 5, 5] and Stub.steps == 2
