@@ -284,22 +284,28 @@ def check_args(budget: int, n_prompts: int, prompt_len: int, cont_len: int, b_mi
 def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
               cont_len: int = 64, preference: str = "cosine", sensitivity: str = "entropy",
               b_min=None, settings: RuleSettings = RuleSettings(), texts=None,
-              model_name: str = "", log=None, procedure: str = "paper", signal: str = "cosine") -> Policy:
+              model_name: str = "", log=None, procedure: str = "paper", signal: str = "cosine",
+              needles: int = 0) -> Policy:
     """Measure the signals on the calibration set once and build the policy. texts: optional
     [(prompt_ids, cont_ids)] in place of `tasks.calibration_texts` (then tok is unused).
     procedure: "paper" (this module) or "joint" (joint.py; `signal` kl|cosine, preference,
-    sensitivity and b_min unused)."""
+    sensitivity and b_min unused). needles (joint only): that many dev-split `niah_single_1`
+    prompts of prompt_len tokens join the texts, their gold answer as the held-out continuation
+    (tasks.calibration_needles)."""
     if procedure not in PROCEDURES:
         raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
+    if needles and procedure != "joint":
+        raise UsageError("needle prompts in the calibration set are for --procedure joint only")
     if texts is None:
         check_args(budget, n_prompts, prompt_len, cont_len, b_min)
         texts = tasks.calibration_texts(tok, n_prompts, prompt_len, cont_len, seed)
+        texts += tasks.calibration_needles(tok, needles, prompt_len, seed)
     T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
-    check_args(budget, len(texts), T, n, b_min)
+    check_args(budget, len(texts), T, max(2, n) if needles else n, b_min)
     M.check_length(model, T + n)
     meta = {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given",
-        "n_prompts": len(texts), "prompt_len": T, "cont_len": n}}
+        "n_prompts": len(texts), "prompt_len": T, "cont_len": n, "needles": needles}}
     if procedure == "joint":
         import joint
         return joint.build(joint.measure(model, texts, budget, signal, settings=settings, log=log),
@@ -422,6 +428,8 @@ def main(argv=None):
                          "with the other layers compressed (joint.py)")
     ap.add_argument("--signal", choices=("kl", "cosine"), default="cosine",
                     help="joint procedure's score (cosine: better on dev, see joint.py)")
+    ap.add_argument("--needles", type=int, default=0,
+                    help="joint procedure: add N dev-split niah_single_1 prompts (gold answer as continuation)")
     ap.add_argument("--preference", choices=("cosine", "ppl"), default="cosine")
     ap.add_argument("--sensitivity", choices=("entropy", "ppl"), default="entropy")
     ap.add_argument("--b-min", type=int, default=None, help="budget floor (default B // 4)")
@@ -462,7 +470,7 @@ def main(argv=None):
         m, tok = M.load(a.model)
         pol = calibrate(m, tok, a.budget, a.seed, a.n_prompts, a.prompt_len, a.cont_len,
                         a.preference, a.sensitivity, b_min, model_name=name, log=print,
-                        procedure=a.procedure, signal=a.signal)
+                        procedure=a.procedure, signal=a.signal, needles=a.needles)
     except UsageError as e:
         sys.exit(f"error: {e}")
     try:

@@ -32,7 +32,8 @@ A fair comparison (SPEC.md §6):
   + 1000; `--split dev` the dev passages (odd topics, where calibration reads too) and the
   seeds as given. Defaults are chosen on dev, tables reported on test.
 - `--suite reference`: 32 fidelity prompts (1,792 tokens, disjoint passages) and 32
-  `niah_single_1` prompts at budgets 64, 128, 512 and 1024: the README's headline run.
+  `niah_single_1` prompts at budgets 64, 128, 512 and 1024, the default methods plus PolyKV's
+  joint calibration and its ablations: the README's headline run.
 
 `torchrun --nproc_per_node N evaluate.py ...` shards the items over N processes (gloo on CPU,
 nccl on GPU, one GPU per rank): rank 0 calibrates, the items left to do are dealt round-robin,
@@ -75,6 +76,8 @@ POLYKV = ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill",
           "polykv-joint", "polykv-joint-pattern", "polykv-joint-budget")
 METHODS = UNIFORM + POLYKV + tuple(gracekv.VARIANTS)
 DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
+# the reference suite also runs the joint calibration and its ablations (README headline)
+REFERENCE_METHODS = UNIFORM + ("polykv", "polykv-joint", "polykv-joint-pattern", "polykv-joint-budget", "gracekv")
 
 
 def method(name: str, budget: int, n_layers: int, settings=None, decode=None) -> MT.Method:
@@ -312,7 +315,8 @@ def parse(argv):
     ap.add_argument("--memory", choices=("equal", "budget"), default="equal",
                     help="equal: every method may grow by the generated tokens (evicting decode rules evict only "
                          "beyond that), so peaks are equal; budget: evicting decode rules hold their prompt budget")
-    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS))
+    ap.add_argument("--methods", default=None,
+                    help=f"comma list (default {','.join(DEFAULT_METHODS)}; --suite reference adds the joint PolyKV rows)")
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
@@ -333,6 +337,8 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)")
     args = ap.parse_args(argv)
+    if args.methods is None:
+        args.methods = ",".join(REFERENCE_METHODS if args.suite == "reference" else DEFAULT_METHODS)
     args.methods = [m for m in args.methods.split(",") if m]
     bad = [m for m in args.methods if m not in METHODS]
     if bad:

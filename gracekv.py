@@ -329,7 +329,14 @@ VARIANTS = {"gracekv": {},
             "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
             "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
             "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},   # value flow without propagation
-            "gracekv-postkey": {"prototype_key": "post"}}       # prototype key = mean post-RoPE key
+            "gracekv-postkey": {"prototype_key": "post"},       # prototype key = mean post-RoPE key
+            # the write-up's small floor with the post-RoPE key, m = n and the one-step lookahead
+            # (SPEC §5 (a)-(c)): the best small-floor combination on dev (README), and its variants
+            "gracekv-paper": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "n", "lookahead": True},
+            "gracekv-paper-fit": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "fit", "lookahead": True},
+            "gracekv-paper-fit-unit": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "fit",
+                                       "lookahead": True, "unit_relevance": 0.5},
+            "gracekv-paper-fit-myopic": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "fit"}}
 
 
 @dataclass

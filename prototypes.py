@@ -6,7 +6,10 @@ A node = a span [a, b) of one unit (layer, KV head) minus the unit's holes. Its 
 key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)) (the write-up), or with
 Settings.prototype_key = "post" the mean of the post-RoPE keys k̃ = mean_t k_t, whose logit
 q·k̃ = mean_t q·k_t is exact for every query (SPEC §5); value ṽ = Σ(R_t+β)v_t / Σ(R_t+β),
-multiplicity m = clamp(n·ħ², 1, n) (logit bias log m). Its distortion D for the probe queries,
+multiplicity m = clamp(n·ħ², 1, n) (the write-up), m = n (Settings.multiplicity = "n": with the
+post-RoPE key m·e^{q·k̃} is Jensen's lower bound of Z), or log m fitted on the probes ("fit": the
+mass-weighted mean of log Z − q·k̃, clamped to [0, log n + c]); it enters attention as the logit
+bias log m. Its distortion D for the probe queries,
 in log space, and D(drop) for keeping nothing. `Units` holds every per-prompt tensor these
 read, stacked over units; gracekv.context builds them.
 """

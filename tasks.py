@@ -121,6 +121,18 @@ def calibration_texts(tok, n: int, prompt_tokens: int, cont_tokens: int, seed: i
     return [_window(tok, "dev", prompt_tokens, cont_tokens, seed, i) for i in range(n)]
 
 
+def calibration_needles(tok, n: int, prompt_tokens: int, seed: int = 0) -> list:
+    """n (prompt_ids, gold_answer_ids) pairs of *dev* `niah_single_1` prompts (RULER seed =
+    `seed`; the test split's needles use seed + 1,000), for a calibration that sees retrieval
+    (calibrate.py --needles)."""
+    out = []
+    for i in range(n):
+        s = RULER_TASKS["niah_single_1"](tok, prompt_tokens, ruler_seed("dev", seed), i)
+        ids = tok.encode(s.prompt)
+        out.append((ids, tok.encode(s.prompt + s.gold)[len(ids):]))
+    return out
+
+
 def ruler_seed(split: str, seed: int) -> int:
     """RULER-style samples: dev uses the seed as given, test the seed + 1000 (other needles,
     keys and depths than any dev run with seeds below 1000)."""

@@ -85,3 +85,5 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     assert "layers changed per sweep" in J.table(pol)
     with pytest.raises(M.UsageError, match="procedure"):
         C.calibrate(m, None, B, texts=tx, settings=SET, procedure="nope")
+    with pytest.raises(M.UsageError, match="joint only"):
+        C.calibrate(m, None, B, texts=tx, settings=SET, needles=1)

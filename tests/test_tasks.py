@@ -467,3 +467,14 @@ def test_answers_stop_after_their_first_line(tok):
         last_logits = torch.nn.functional.one_hot(torch.tensor([5]), 10).float()
     ids = M.greedy(Stub(), Cache(), 9, (), None, done=lambda ids: len(ids) == 3)
     assert ids == [5, 5, 5] and Stub.steps == 2
+
+
+def test_calibration_needles_are_dev_needles(tok):
+    """tasks.calibration_needles: dev-split needle prompts (never a test needle), each with its
+    gold answer as the continuation."""
+    pairs = tasks.calibration_needles(tok, 2, 600, seed=0)
+    for i, (ids, answer) in enumerate(pairs):
+        dev = tasks.RULER_TASKS["niah_single_1"](tok, 600, tasks.ruler_seed("dev", 0), i)
+        test = tasks.RULER_TASKS["niah_single_1"](tok, 600, tasks.ruler_seed("test", 0), i)
+        assert tok.decode(ids) == tok.decode(tok.encode(dev.prompt))
+        assert dev.answers[0] in tok.decode(answer) and test.answers[0] not in tok.decode(ids)
