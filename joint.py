@@ -39,9 +39,8 @@ from __future__ import annotations
 import time
 
 import torch
-import torch.nn.functional as F
 
-import calibrate as C
+import probing as C
 import rules
 from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings, largest_remainder
@@ -69,12 +68,6 @@ def run_from(model, ref, layer: int, x, caches) -> tuple:
         x, _ = model.layers[l](x, ref["pos"], caches[l], model.inv_freq, l, hooks if l == layer else None,
                                model.sdpa)
     return log_probs(model, x), xs, seen[0]
-
-
-def cosine(out, out_ref) -> float:
-    """Mean cosine over continuation tokens of two attention outputs (1, H, n, D), over H·D."""
-    return float(F.cosine_similarity(out.transpose(1, 2).flatten(2).double(),
-                                     out_ref.transpose(1, 2).flatten(2).double(), dim=-1).mean())
 
 
 def policy_of(assign, budgets, settings, meta=None) -> Policy:
@@ -106,7 +99,7 @@ def measure(model, pairs, budget: int, signal: str = "cosine", sweeps: int = 3, 
         for i, ref in enumerate(refs):
             lp, xs, out = run_from(model, ref, layer, xs_of(i), caches_of(i))
             kls.append(kl(ref["lp"], lp))
-            coss.append(cosine(out, ref["out"][layer]))
+            coss.append(C.cosine(out, ref["out"][layer]))
             streams.append(xs)
         k, cs = sum(kls) / len(kls), sum(coss) / len(coss)
         return (k if signal == "kl" else -cs), k, streams
@@ -118,7 +111,7 @@ def measure(model, pairs, budget: int, signal: str = "cosine", sweeps: int = 3, 
     cur_kl, streams = uniform[start][1], uniform[start][2]
     xs = [[x0[i]] + streams[i] for i in range(len(refs))]          # stream entering each layer
     sig = {"signal": signal, "uniform_kl": {r: uniform[r][1] for r in pool}, "start": start, "sweeps": []}
-    log(f"uniform rules, KL on the calibration text: "
+    log("uniform rules, KL on the calibration text: "
         + ", ".join(f"{r} {uniform[r][1]:.4f}" for r in pool) + f"; start from {start}")
 
     # 2. sweeps over the layers
