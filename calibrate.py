@@ -227,7 +227,7 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
         texts = tasks.calibration_texts(tok, n_prompts, prompt_len, cont_len, seed)
         texts += tasks.calibration_needles(tok, needles, prompt_len, seed)
     T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
-    check_args(budget, len(texts), T, max(2, n) if needles else n, b_min)
+    check_args(budget, len(texts), T, n, b_min)
     M.check_length(model, T + n)
     meta = {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given",
@@ -312,6 +312,14 @@ def table(policy: Policy) -> str:
     return "\n".join(rows)
 
 
+def describe(policy: Policy) -> str:
+    """The per-layer table of a calibrated policy, whichever procedure made it ("" if none)."""
+    if policy.meta.get("procedure") == "joint":
+        import joint
+        return joint.table(policy)
+    return table(policy) if "signals" in policy.meta else ""
+
+
 def plot(policies, path) -> str:
     """Bars: prefill budget per layer, coloured by the prefill rule; one panel per policy (a
     Policy or a list of them, e.g. the paper's and the joint procedure's). Needs matplotlib."""
@@ -371,12 +379,7 @@ def main(argv=None):
         except UsageError as e:
             sys.exit(f"error: {e}")
         for f, pol in zip(a.show, pols):
-            print(f"{f}:")
-            if pol.meta.get("procedure") == "joint":
-                import joint
-                print(joint.table(pol))
-            elif "signals" in pol.meta:
-                print(table(pol))
+            print(f"{f}:\n{describe(pol)}")
         if a.plot:
             print(plot(pols, a.plot))
         return
@@ -403,11 +406,8 @@ def main(argv=None):
         pol.save(a.out)
     except OSError as e:
         sys.exit(f"error: cannot write {a.out!r}: {e.strerror}")
-    if a.procedure == "joint":
-        import joint
-        print(joint.table(pol))
-    else:
-        print(table(pol))
+    print(describe(pol))
+    if a.procedure == "paper":
         u = pol.meta["signals"]["uniform_dppl"]
         print("uniform baselines, ΔPPL on the calibration text: "
               + ", ".join(f"{r} {u[r]:+.4f}" for r in POOL) + f"; best uniform: {pol.meta['best_uniform']}")

@@ -233,8 +233,7 @@ def relevance(flow: Flow, Tc: int, s: Settings):
     s_hat = unit(x[:, 0])                                            # (U, Tc)
     d_hat = unit(sum(s.decay ** (k - 1) * x[:, k] for k in range(1, s.hops + 1)) if s.hops else x[:, 0])
     R = (1 - s.lambda_graph) * s_hat + s.lambda_graph * d_hat        # (U, Tc), Σ_t = 1 per unit
-    mix = (1 - s.unit_relevance) * R.mean(0) + s.unit_relevance * R if s.unit_relevance else R.mean(0).expand_as(R)
-    return mix, s_hat
+    return (1 - s.unit_relevance) * R.mean(0) + s.unit_relevance * R, s_hat
 
 
 def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
