@@ -5,8 +5,8 @@ or resolution ("split an added node"), ranked by gain per entry; then the cache 
 Tian, Liu, Wang, "Every Cache Entry Earns Its Place" (2026; seed 004, SPEC.md §5):
   Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1;
   Δ_split(v)  = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1 (see gracekv.py's [choices]);
-one max-heap on Δ/cost over all units and layers, popped until B_alloc entries are spent; a node
-splits only after it was added. `cx` is gracekv.Context (one prompt); prototypes and distortions
+one max-heap on Δ/cost over all units and layers, popped until B_alloc allocated slots are spent
+(`Slots`: a layer's heads share one padded tensor); a node splits only after it was added. `cx` is gracekv.Context (one prompt); prototypes and distortions
 come from prototypes.node_stats.
 
 Notation (SPEC.md): U = L·G units, Tc context tokens, r recent window, n tokens of a node.
@@ -65,6 +65,8 @@ class Plan:
     frontier: set = field(default_factory=set)    # nodes in the cache at the end
     floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
     slots: list = field(default_factory=list)     # [(a, b)] the context's slots
+    group: int = 1                                # G: units l·G .. l·G+G−1 share layer l's cache
+    dropped: list = field(default_factory=list)   # (len(steps) then, kind, node): popped, not affordable
 
 
 def best_splits(cx, plan: Plan, ids: list):
@@ -73,6 +75,8 @@ def best_splits(cx, plan: Plan, ids: list):
     a hole of the unit, so every later node of that unit, all inside this one, leaves it out).
     Both cost one entry; the larger gain wins (ties: bisection)."""
     nd = plan.nodes
+    if not ids:
+        return
     u, a, b = (torch.tensor([getattr(nd, k)[i] for i in ids], device=cx.units.kr.device) for k in ("unit", "a", "b"))
     L = b - a
     n = int(L.max())
@@ -115,6 +119,33 @@ def peek(heap: list, k: int) -> list:
     return top
 
 
+class Slots:
+    """What the greedy's entries cost in allocated cache slots. A layer's G heads share one
+    (G, S, D) tensor, S = the most entries of its heads (cache.py: padding is allocated memory),
+    so an action that gives unit u k more entries costs G·max(0, n_u + k − cap_l) slots (cap_l =
+    the layer's largest head): entries under the cap fill padding for free, entries above it
+    pay for the layer's G heads. The budget is in slots, like every other method's."""
+
+    def __init__(self, counts: list, group: int, left: int):
+        self.n, self.G, self.left = list(counts), group, left           # n_u: unit u's entries
+        self.cap = [max(counts[i:i + group]) for i in range(0, len(counts), group)]
+        self.room = sum(self.cap[u // group] - c for u, c in enumerate(counts))   # padding now
+
+    def charge(self, u: int, k: int) -> int:
+        return self.G * max(0, self.n[u] + k - self.cap[u // self.G])
+
+    def take(self, u: int, k: int):
+        c = self.charge(u, k)
+        self.left -= c
+        self.room += c - k
+        self.n[u] += k
+        self.cap[u // self.G] = max(self.cap[u // self.G], self.n[u])
+
+    def done(self) -> bool:
+        """No padding left to fill and too few slots left to raise a layer."""
+        return self.room == 0 and self.left < self.G
+
+
 def allocate(cx, B_alloc: int) -> Plan:
     """Budget flow: a global max-heap over add(root) and split(added node) by gain per entry.
 
@@ -124,8 +155,14 @@ def allocate(cx, B_alloc: int) -> Plan:
     add alone (cost 1), after which its split competes on its own. Nodes are evaluated lazily, in batches: before
     an action is applied, the nodes it brings into the cache (and those of the next `prefetch`
     best actions) get their best split, so every available action is known when it competes.
-    Extractions mark holes in cx.units.hole: one Context serves one allocate call."""
-    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots)   # floor = holes before the greedy
+    Extractions mark holes in cx.units.hole: one Context serves one allocate call.
+
+    B_alloc counts allocated slots (`Slots`): the best action is applied if its charge fits in
+    what is left, else dropped [choice: not retried if the layer's cap rises later]; the greedy
+    goes on while padding can still be filled, so a layer's heads end with (nearly) as many
+    entries each and the cache's allocated slots are its entries."""
+    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots, group=cx.G)  # floor = holes before the greedy
+    cost_of = Slots(plan.floor.sum(1).tolist(), cx.G, B_alloc)
     roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
     if roots:
         u, a, b = (torch.tensor(x, device=cx.units.kr.device) for x in zip(*roots))
@@ -143,14 +180,19 @@ def allocate(cx, B_alloc: int) -> Plan:
     plan.add_rank = rank
     heap = [(-g, i, "add", i) for i, g in rank.items()]             # (−gain/cost, tie, kind, node)
     heapq.heapify(heap)
-    n, spent, tie = plan.nodes.n, 0, len(heap)
+    n, unit, tie = plan.nodes.n, plan.nodes.unit, len(heap)
 
     def entering(kind, v):      # unevaluated splittable nodes an action brings into the cache
         new = [v] if kind == "add" else plan.split[v][2]
         return [c for c in new if n[c] > 1 and c not in plan.split]
 
-    while heap and spent < B_alloc:
-        if entering(*heap[0][2:]):
+    while heap and not cost_of.done():
+        kind, v = heap[0][2:]
+        if cost_of.charge(unit[v], 1 if kind == "add" else plan.split[v][1]) > cost_of.left:
+            heapq.heappop(heap)
+            plan.dropped.append((len(plan.steps), kind, v))
+            continue
+        if entering(kind, v):
             # evaluate what the next `prefetch` actions bring in, then, for nodes whose own split
             # ranks above the prefetch-th action, their children too (they will be needed first)
             top = peek(heap, cx.s.prefetch)
@@ -163,9 +205,7 @@ def allocate(cx, B_alloc: int) -> Plan:
                         for c in entering("split", v)}
         _, _, kind, v = heapq.heappop(heap)
         gain, cost, kids = (plan.add_gain[v], 1, [v]) if kind == "add" else plan.split[v]
-        if spent + cost > B_alloc:
-            continue                                                          # never affordable again
-        spent += cost
+        cost_of.take(unit[v], cost)
         plan.steps.append((kind, v, gain, cost))
         if kind == "split":
             plan.frontier.remove(v)

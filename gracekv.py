@@ -8,16 +8,22 @@ After one full-attention prefill of the prompt (T tokens):
  1. Slots: the context (all but the recent window) is cut at bends of the hidden-state
     trajectory into slots of `slot_min`..`slot_max` tokens.
  2. A prototype tree per unit = (layer, KV head) over each slot. A node (a span of n tokens) is
-    one cache entry: key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value
-    ṽ = Σ(R_t+β)v_t / Σ(R_t+β), multiplicity m = clamp(n·ħ², 1, n) entering attention as the
-    logit bias log m. Leaves are the exact tokens. A node splits by bisection or by extracting
+    one cache entry: key k̃ = mean_t k_t of the post-RoPE keys (the write-up:
+    RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), `prototype_key`), value
+    ṽ = Σ(R_t+β)v_t / Σ(R_t+β), multiplicity m = n (the write-up: clamp(n·ħ², 1, n),
+    `multiplicity`) entering attention as the logit bias log m, in fp32 whatever the cache's
+    dtype. Leaves are the exact tokens. A node splits by bisection or by extracting
     its most salient token as an exact leaf (the node keeps standing for the rest).
  3. Distortion D(v) of a node for the probe queries, in log space; D(drop) = keeping nothing.
  4. Value flow: token relevance R_t (what the probes attend to, spread along attention for a
     few decayed hops) and a head weight ω per unit.
- 5. Budget flow: after the exact window and the singleton floor (the highest-ω·R exact tokens),
-    one max-heap over "add a slot root" and "split an added node" actions of all units, ranked
-    by gain per entry, until B_alloc entries are spent.
+ 5. Budget flow: after the exact window and the singleton floor (10 % of the budget: the
+    highest-ω·R exact tokens), one max-heap over "add a slot root" and "split an added node"
+    actions of all units, ranked by gain per entry (an add by the better of itself and itself
+    with its best first split, `lookahead`), until B_alloc allocated slots are spent.
+SPEC.md §5 corrects the write-up as first read: (a) the post-RoPE mean key, (b) m = n, (c) the
+lookahead, (d) an optional per-unit relevance (`unit_relevance`), (e) the bias in fp32, (f) the
+attention sink kept when B ≤ r; `VARIANTS` switches each back alone (README, GraceKV ablation).
 
 Notation (SPEC.md): T prompt tokens, r recent window, Tc = T − r context tokens, H query heads,
 G KV heads, g = H/G, D head dim, L layers, U = L·G units, P = g·r probes per unit, n tokens in a
@@ -47,13 +53,15 @@ prompt with T ≤ B is returned uncompressed (FullKV). One prompt at a time (bat
 - ŝ_j and d̂_j normalised over the context per unit, then averaged over units; propagation in
   each layer along its group-mean attention, d = Σ_{k=1..hops} decay^(k−1)·x^k, x^k = x^(k−1)·Ā;
   β = 0.1·mean R = 0.1/Tc.
-- Floor size ⌊floor_frac·U·(B−r)⌋, chosen over (unit, token) pairs by ω_j·R_t (ties: later
-  token); floor tokens are holes in their unit's trees, nodes are tightened around them.
-  floor_frac = 0.95, not the 10 % first tried: on the embedded model the prototype trees buy
-  less per entry than the exact tokens they displace, and the floor's global ω·R allocation is
-  where the method's gain comes from (README, GraceKV ablation: 10 % floor KL 0.279 / 0.058 at
-  B = 128 / 512, 95 % 0.240 / 0.050, no trees at all 0.237 / 0.048; on fresh prompts 95 % still
-  wins at 512 and on the needle, not on KL at 128).
+- Floor size ⌊floor_frac·U·(B−r)⌋ slots, in whole rows of a layer: every head of layer l keeps
+  its f_l highest-R tokens, the f_l chosen by one ranking of Σ_heads ω_j·R_j (`singleton_floor`;
+  the write-up ranks (unit, token) pairs, which leaves a layer's heads unequal and the padded
+  cache larger than its entries). Floor tokens are holes in their unit's trees, nodes are
+  tightened around them. floor_frac = 0.1 (the write-up's); a 95 % floor (`gracekv-floor`) is
+  the strongest GraceKV on the embedded model (README, GraceKV ablation).
+- Budget in allocated slots (budgetflow.Slots): a layer's heads share one tensor padded to its
+  longest head, so entries above the layer's longest head cost G slots each and entries below
+  it none; the greedy goes on until padding is filled and fewer than G slots are left.
 - The greedy spends the whole B_alloc, negative gains included (an exact leaf is never worse than
   its prototype, and a budget ≥ T ends in all leaves = FullKV); an action costing more than what
   is left is dropped. Heap ties: earlier pushed first. Mean positions round half to even.
@@ -100,15 +108,17 @@ class Settings:
     hops: int = 2
     decay: float = 0.5
     beta: float = 0.1         # β = 0.1·mean R_t in the value weights (write-up)
-    floor_frac: float = 0.95  # singleton floor: share of the non-window budget [choice: measured, see docstring]
-    prototype_key: str = "unrotated"  # "unrotated": RoPE(mean k°, mean position) (the write-up);
-                                      # "post": mean of the post-RoPE keys, q·k̃ = mean_t q·k_t exactly (SPEC §5)
-    multiplicity: str = "hbar"  # log m of a prototype: "hbar" m = clamp(n·ħ², 1, n) (the write-up);
-                                # "n" m = n (Jensen's lower bound of Z with the post key); "fit":
-                                # fitted on the probes, mass-weighted mean of log Z − q·k̃, in [0, log n + fit_slack]
+    floor_frac: float = 0.1   # singleton floor: share of the non-window budget (the write-up's 10 %)
+    prototype_key: str = "post"  # "post": mean of the post-RoPE keys, q·k̃ = mean_t q·k_t exactly
+                                 # (SPEC §5 (a)); "unrotated": RoPE(mean k°, mean position) (the write-up)
+    multiplicity: str = "n"   # log m of a prototype: "n" m = n (Jensen's lower bound of Z with the
+                              # post key; chosen on dev, SPEC §5 (b)); "hbar" m = clamp(n·ħ², 1, n)
+                              # (the write-up); "fit": fitted on the probes, mass-weighted mean of
+                              # log Z − q·k̃, in [0, log n + fit_slack]
     fit_slack: float = 2.0    # c in the fitted bias's clamp [0, log n + c] (SPEC §5) [choice]
-    lookahead: bool = False   # rank an add by max(Δ_add, (Δ_add + its best first split)/2) (SPEC §5)
-    unit_relevance: float = 0.0  # μ: R_u = (1−μ)·shared row + μ·unit u's own row (SPEC §5)
+    lookahead: bool = True    # rank an add by max(Δ_add, (Δ_add + its best first split)/2) (SPEC §5 (c))
+    unit_relevance: float = 0.0  # μ: R_u = (1−μ)·shared row + μ·unit u's own row (SPEC §5 (d));
+                                 # 0 = the write-up's shared row (½ measured on dev: no consistent gain)
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
@@ -185,6 +195,7 @@ class Context:
     kappa: torch.Tensor   # (Tc,) bends of the hidden-state trajectory
     slots: list           # [(a, b)] the context's slots
     s: Settings
+    G: int = 1            # KV heads per layer: units l·G .. l·G+G−1 share layer l's cache
 
     @property
     def Tc(self) -> int:
@@ -270,18 +281,27 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
                   hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
                   inv_freq=model.inv_freq, s=s)
     return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
-                   slots=segment(kappa, Tc, s), s=s)
+                   slots=segment(kappa, Tc, s), s=s, G=model.config.n_kv_heads)
 
 
 # ----------------------------------------------------------------------------- API
 
-def singleton_floor(cx: Context, n_floor: int):
-    """The singleton floor: the n_floor highest ω_j·R_t (unit, token) pairs, one ranking over
-    all units (ties to the later token), become exact entries — holes in their units' trees."""
-    Tc = cx.Tc
-    score = (cx.omega[:, None] * cx.units.R[:, :Tc]).flip(-1).reshape(-1)   # (U·Tc,)
-    top = score.sort(descending=True, stable=True).indices[:n_floor]
-    cx.units.hole[top // Tc, Tc - 1 - top % Tc] = True
+def singleton_floor(cx: Context, n_floor: int) -> int:
+    """The singleton floor in at most n_floor allocated slots: layer l's G heads each keep their
+    f_l highest-R_t tokens exact (ties to the later token), as holes in their trees. The f_l come
+    from one ranking over all layers of "one more floor token in every head of layer l", worth
+    Σ_heads ω_j·R_j,(f_l+1) for G slots [choice: the write-up ranks (unit, token) pairs by ω_j·R_t
+    over all units; per head, that leaves a layer's heads unequal, and the cache pads them to the
+    longest (the floor then costs up to twice its entries in memory)]. Returns the floor's slots."""
+    Tc, G = cx.Tc, cx.G
+    R, order = cx.units.R[:, :Tc].flip(-1).sort(dim=-1, descending=True, stable=True)   # (U, Tc) per unit
+    row = (cx.omega[:, None] * R).view(-1, G, Tc).sum(1)                 # (L, Tc) non-increasing
+    top = row.reshape(-1).sort(descending=True, stable=True).indices[:n_floor // G]   # prefixes
+    f = torch.bincount(top // Tc, minlength=row.shape[0]).repeat_interleave(G)      # (U,) f_l per head
+    keep = torch.arange(Tc, device=f.device) < f[:, None]                # (U, Tc) the first f_l
+    u = torch.arange(len(f), device=f.device)[:, None].expand(-1, Tc)
+    cx.units.hole[u[keep], Tc - 1 - order[keep]] = True
+    return int(f.sum())
 
 
 @torch.no_grad()
@@ -308,10 +328,9 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
         cx = context(model, full, flow, s.window, s)
-        spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r
-        n_floor = int(s.floor_frac * spare)
-        singleton_floor(cx, n_floor)
-        plan = allocate(cx, spare - n_floor)
+        spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r slots
+        floor = singleton_floor(cx, int(s.floor_frac * spare))
+        plan = allocate(cx, spare - floor)
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
 
@@ -322,20 +341,24 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
     return GraceKV(budget, settings).prefill(model, tokens)
 
 
-# the harness's GraceKV rows (evaluate.py --methods): Settings overrides, which part buys what
+# the harness's GraceKV rows (evaluate.py --methods): Settings overrides, which part buys what.
+# `gracekv` is the write-up's method (10 % floor) with SPEC §5's corrections (a)-(f); each
+# ablation switches one of (a)-(d) back alone; (e) the fp32 bias and (f) the sink at B ≤ r are
+# correctness, not options.
+WRITE_UP = {"prototype_key": "unrotated", "multiplicity": "hbar", "lookahead": False}
 VARIANTS = {"gracekv": {},
-            "gracekv-floor": {"floor_frac": 1.0},     # no trees: every entry an exact token chosen by ω·R
-            "gracekv-f10": {"floor_frac": 0.1},       # a 10 % floor, the trees spend the other 90 %
-            "gracekv-trees": {"floor_frac": 0.0},     # no singleton floor: the greedy spends everything
-            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},   # value flow without propagation
-            "gracekv-postkey": {"prototype_key": "post"},       # prototype key = mean post-RoPE key
-            # the write-up's small floor with the post-RoPE key, m = n and the one-step lookahead
-            # (SPEC §5 (a)-(c)): the best small-floor combination on dev (README), and its variants
-            "gracekv-paper": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "n", "lookahead": True},
-            "gracekv-paper-fit": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "fit", "lookahead": True},
-            "gracekv-paper-fit-unit": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "fit",
-                                       "lookahead": True, "unit_relevance": 0.5},
-            "gracekv-paper-fit-myopic": {"floor_frac": 0.1, "prototype_key": "post", "multiplicity": "fit"}}
+            "gracekv-unrotated": {"prototype_key": "unrotated"},  # (a) off: the write-up's key
+            "gracekv-hbar": {"multiplicity": "hbar"},             # (b) off: the write-up's m
+            "gracekv-fit": {"multiplicity": "fit"},               # (b) the other candidate: log m fitted
+            "gracekv-myopic": {"lookahead": False},               # (c) off: adds ranked alone
+            "gracekv-unit": {"unit_relevance": 0.5},              # (d) on: half the unit's own row
+            "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
+            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # value flow without propagation
+            "gracekv-write-up": WRITE_UP,                         # none of (a)-(c): the write-up as read
+            # a large floor: 95 % of the budget on exact tokens ranked by ω·R, the trees refine
+            # the rest (the strongest GraceKV on the embedded model; write-up's key and m)
+            "gracekv-floor": {**WRITE_UP, "floor_frac": 0.95},
+            "gracekv-exact": {**WRITE_UP, "floor_frac": 1.0}}     # no trees: every entry an exact token
 
 
 @dataclass

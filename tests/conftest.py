@@ -8,8 +8,8 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-settings.register_profile("ci", deadline=None, derandomize=True, max_examples=15)
-settings.register_profile("dev", deadline=None, max_examples=15)
+settings.register_profile("ci", deadline=None, derandomize=True, max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)))
+settings.register_profile("dev", deadline=None, max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)))
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 

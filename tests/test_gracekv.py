@@ -204,15 +204,29 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
 # ----------------------------------------------------------------------------- budget flow
 
 def replay(plan, B_alloc):
-    """Check the trace: only added nodes split, each step the best affordable action then."""
-    added_roots, frontier, spent = set(), set(), 0
-    n = plan.nodes.n
-    for kind, v, gain, cost in plan.steps:
+    """Check the trace: only added nodes split, each step the best affordable action then, in
+    allocated slots (a layer's heads padded to its longest: entries over that cap cost G slots
+    each, under it none); a dropped action was not affordable when dropped."""
+    added_roots, frontier, spent, gone = set(), set(), 0, set()
+    n, unit, G = plan.nodes.n, plan.nodes.unit, plan.group
+    have = plan.floor.sum(1).tolist()                                          # entries per unit
+    cap = lambda u: max(have[u // G * G:(u // G + 1) * G])
+    slots = lambda u, k: G * max(0, have[u] + k - cap(u))                      # naive, from scratch
+    drops = {}
+    for i, kind, v in plan.dropped:
+        drops.setdefault(i, []).append((kind, v))
+    for i, (kind, v, gain, cost) in enumerate(plan.steps + [(None,) * 4]):
+        for dk, dv in drops.get(i, []):
+            assert slots(unit[dv], 1 if dk == "add" else plan.split[dv][1]) > B_alloc - spent
+            gone.add(dv)
+        if kind is None:
+            break
         rank = plan.add_rank[v] if kind == "add" else gain / cost              # what the heap compared
-        avail = [plan.add_rank[r] for r in plan.add_gain if r not in added_roots and spent + 1 <= B_alloc]
-        avail += [plan.split[f][0] / plan.split[f][1] for f in frontier
-                  if n[f] > 1 and spent + plan.split[f][1] <= B_alloc]
-        assert rank >= max(avail)
+        avail = [plan.add_rank[r] for r in plan.add_gain if r not in added_roots and r not in gone
+                 and slots(unit[r], 1) <= B_alloc - spent]
+        avail += [plan.split[f][0] / plan.split[f][1] for f in frontier if n[f] > 1 and f not in gone
+                  and slots(unit[f], plan.split[f][1]) <= B_alloc - spent]
+        assert rank >= max(avail) and slots(unit[v], cost) <= B_alloc - spent
         if kind == "add":
             assert v in plan.add_gain and v not in added_roots and cost == 1
             added_roots.add(v)
@@ -222,7 +236,8 @@ def replay(plan, B_alloc):
             assert (gain, cost) == plan.split[v][:2] and cost == len(plan.split[v][2]) - 1
             frontier.remove(v)
             frontier.update(plan.split[v][2])
-        spent += cost
+        spent += slots(unit[v], cost)
+        have[unit[v]] += cost
     assert frontier == plan.frontier and spent <= B_alloc
     return frontier
 
@@ -235,7 +250,7 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cache, plan = GK.compress(m, full, stats, B, s, return_plan=True)
     L, G = 2, 2
-    assert cache.entries() <= L * G * B
+    assert cache.entries() <= cache.allocated() <= L * G * B                  # the budget holds in slots
     for lc in cache.layers:
         real = lc.pos >= 0
         assert torch.all(lc.bias[~real] == -math.inf)
@@ -245,13 +260,25 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
         assert cache.entries() == U * min(B, T)
         return
     frontier = replay(plan, plan.B_alloc)
-    n_floor = int(s.floor_frac * U * (B - r))
+    n_floor = G * (int(s.floor_frac * U * (B - r)) // G)                       # whole rows of a layer
     assert plan.B_alloc == U * (B - r) - n_floor and int(plan.floor.sum()) == n_floor
+    for l in range(L):                  # the floor: every head of a layer, its f_l highest-R tokens
+        f = plan.floor[l * G:(l + 1) * G].sum(1)
+        assert len(set(f.tolist())) == 1
     assert cache.entries() == U * r + n_floor + len(frontier)
-    spent = sum(cost for *_, cost in plan.steps)
+    have = [int(plan.floor[j].sum()) + sum(plan.nodes.unit[i] == j for i in frontier) for j in range(U)]
+    caps = [max(have[l * G:(l + 1) * G]) for l in range(L)]
+    assert cache.allocated() == U * r + G * sum(caps)                          # the slots Slots counted
     everything = all(plan.nodes.n[i] == 1 for i in frontier) and set(plan.add_gain) <= {
         i for k, i, *_ in plan.steps if k == "add"}
-    assert spent == plan.B_alloc or everything          # every action costs one entry
+    # the greedy stops with fewer than G slots left (no layer can grow) or nothing left to do;
+    # a head still under its layer's cap (padding) has nothing left: every root added, all leaves
+    assert U * B - cache.allocated() < G or everything
+    for j in range(U):
+        if have[j] < caps[j // G]:
+            assert all(plan.nodes.n[i] == 1 for i in frontier if plan.nodes.unit[i] == j)
+            assert all(i in frontier or plan.nodes.unit[i] != j for i in plan.add_gain if plan.nodes.n[i] == 1) \
+                and {i for i in plan.add_gain if plan.nodes.unit[i] == j} <= {i for k, i, *_ in plan.steps if k == "add"}
     spans = lambda p: [(k, p.nodes.unit[v], p.nodes.a[v], p.nodes.b[v], c)
                        for k, v, g, c in p.steps]
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
