@@ -165,6 +165,32 @@ def diff_lines(summary, names, budgets, ruler_tasks) -> list:
     return out
 
 
+def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
+    """From per-sample rows: each method minus `ref` per budget and headline metric, over the
+    prompts both have, with its paired 95 % bootstrap interval ('tie' when it contains 0) —
+    an ablation read against the method it ablates."""
+    acc = values(rows)
+    heads = [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")]
+    heads += [(t, "string_match_all", t) for t in ruler_tasks]
+    out = []
+    for b in budgets:
+        for task, metric, label in heads:
+            base = acc.get((ref, b, task, metric))
+            if base is None:
+                continue
+            parts = []
+            for m in names:
+                other = acc.get((m, b, task, metric))
+                if m == ref or other is None:
+                    continue
+                prompts = sorted(set(base) & set(other))
+                d = np.array([other[p] - base[p] for p in prompts], dtype=float)     # (n,) paired
+                lo, hi = interval(d[resample_index(len(d))].mean(1))
+                parts.append(f"{m} {d.mean():+.4g} [{lo:+.4g}, {hi:+.4g}]" + (" tie" if lo <= 0 <= hi else ""))
+            out.append(f"B = {b}, {label} minus {ref}, paired 95 % CI: " + "; ".join(parts))
+    return out
+
+
 def progress(rows, item, names, budget, i, n, eta) -> str:
     """One line per item: task, and per method its running score on that task at `budget`."""
     metric = "kl" if item.task == "fidelity" else "score"
@@ -206,8 +232,9 @@ def plot(summary, names, out):
 
 
 def main(argv=None):
-    """`python report.py OUT/summary.json [--methods a,b] [--budgets 128,512] [--no-diff]`: the
-    table of a finished run again, for a subset of its rows."""
+    """`python report.py OUT/summary.json [--methods a,b] [--budgets 128,512] [--no-diff]
+    [--versus METHOD]`: the table of a finished run again, for a subset of its rows; --versus
+    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD."""
     import argparse
     import json
     import sys
@@ -216,6 +243,7 @@ def main(argv=None):
     ap.add_argument("--methods", default=None)
     ap.add_argument("--budgets", default=None)
     ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
+    ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
     a = ap.parse_args(argv)
     try:
         d = json.loads(open(a.summary).read())
@@ -227,6 +255,15 @@ def main(argv=None):
     rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
+    if a.versus:
+        from pathlib import Path
+        files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
+        if not files:
+            sys.exit(f"error: --versus needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
+        samples = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+        if a.versus not in {r["method"] for r in samples}:
+            sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
+        print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
 
 
 if __name__ == "__main__":

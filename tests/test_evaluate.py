@@ -231,3 +231,27 @@ def test_report_cli_reprints_a_subset(tmp_path, capsys):
     report.main([str(f), "--methods", "full,tova", "--no-diff"])
     out = capsys.readouterr().out.strip().splitlines()
     assert len(out) == 4 and out[2].startswith("| 64 | full |") and out[3].startswith("| 64 | tova | 50.0 |")
+
+
+def test_versus_is_the_paired_difference(tmp_path, capsys):
+    """A method that is another plus a constant c on every prompt: difference c, interval [c, c];
+    itself plus noise around 0 on alternate prompts: a tie. The CLI reads the rows beside the summary."""
+    spread = lambda i: 0.1 + 0.05 * i
+    kl = {"gracekv": spread, "gracekv-hbar": lambda i: spread(i) + 0.03, "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01}
+    score = {"gracekv": lambda i: 50, "gracekv-hbar": lambda i: 50, "gracekv-unit": lambda i: 100 * (i % 2)}
+    rows = fake_rows(kl, score)
+    lines = report.versus(rows, "gracekv", list(kl), [64], ["niah_single_1"])
+    assert "gracekv-hbar +0.03 [+0.03, +0.03]" in lines[0] and "gracekv-unit" in lines[0]
+    assert lines[0].split("gracekv-unit ")[1].endswith("tie")
+    assert "gracekv-hbar +0.06 [+0.06, +0.06]" in lines[1]            # answer ΔNLL = 2·kl
+    assert lines[2].startswith("B = 64, niah_single_1 minus gracekv") and "gracekv-hbar +0 [+0, +0] tie" in lines[2]
+    f = tmp_path / "summary.json"
+    f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
+                             "rows": report.summarize(rows, list(kl), [64])}))
+    with pytest.raises(SystemExit, match="needs the per-sample rows"):
+        report.main([str(f), "--versus", "gracekv"])
+    (tmp_path / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+    report.main([str(f), "--versus", "gracekv"])
+    assert "fidelity KL minus gracekv, paired 95 % CI: gracekv-hbar +0.03 [+0.03, +0.03]" in capsys.readouterr().out
+    with pytest.raises(SystemExit, match="no such method"):
+        report.main([str(f), "--versus", "snapkv"])
