@@ -355,6 +355,7 @@ VARIANTS = {"gracekv": {},
             "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
             "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # value flow without propagation
             "gracekv-write-up": WRITE_UP,                         # none of (a)-(c): the write-up as read
+            "gracekv-lookahead": {**WRITE_UP, "lookahead": True},  # the write-up with (c) alone
             # a large floor: 95 % of the budget on exact tokens ranked by ω·R, the trees refine
             # the rest (the strongest GraceKV on the embedded model; write-up's key and m)
             "gracekv-floor": {**WRITE_UP, "floor_frac": 0.95},
