@@ -8,11 +8,10 @@ After one full-attention prefill of the prompt (T tokens):
  1. Slots: the context (all but the recent window) is cut at bends of the hidden-state
     trajectory into slots of `slot_min`..`slot_max` tokens.
  2. A prototype tree per unit = (layer, KV head) over each slot. A node (a span of n tokens) is
-    one cache entry: key k̃ = mean_t k_t of the post-RoPE keys (the write-up:
-    RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), `prototype_key`), value
-    ṽ = Σ(R_t+β)v_t / Σ(R_t+β), multiplicity m = n (the write-up: clamp(n·ħ², 1, n),
-    `multiplicity`) entering attention as the logit bias log m, in fp32 whatever the cache's
-    dtype. Leaves are the exact tokens. A node splits by bisection or by extracting
+    one cache entry: key k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)) (or the post-RoPE mean,
+    `prototype_key`), value ṽ = Σ(R_t+β)v_t / Σ(R_t+β), multiplicity m = clamp(n·ħ², 1, n) (or
+    m = n, or fitted: `multiplicity`) entering attention as the logit bias log m, in fp32
+    whatever the cache's dtype. Leaves are the exact tokens. A node splits by bisection or by extracting
     its most salient token as an exact leaf (the node keeps standing for the rest).
  3. Distortion D(v) of a node for the probe queries, in log space; D(drop) = keeping nothing.
  4. Value flow: token relevance R_t (what the probes attend to, spread along attention for a
@@ -21,9 +20,10 @@ After one full-attention prefill of the prompt (T tokens):
     highest-ω·R exact tokens), one max-heap over "add a slot root" and "split an added node"
     actions of all units, ranked by gain per entry (an add by the better of itself and itself
     with its best first split, `lookahead`), until B_alloc allocated slots are spent.
-SPEC.md §5 corrects the write-up as first read: (a) the post-RoPE mean key, (b) m = n, (c) the
-lookahead, (d) an optional per-unit relevance (`unit_relevance`), (e) the bias in fp32, (f) the
-attention sink kept when B ≤ r; `VARIANTS` switches each back alone (README, GraceKV ablation).
+SPEC.md §5 corrects the write-up as first read: (a) the post-RoPE mean key, (b) m = n or a
+fitted bias, (c) the lookahead, (d) an optional per-unit relevance (`unit_relevance`), (e) the
+bias in fp32, (f) the attention sink kept when B ≤ r. Chosen on the dev split: (c) is on, (a),
+(b), (d) are off (each lost there); `VARIANTS` switches each alone (README, GraceKV ablation).
 
 Notation (SPEC.md): T prompt tokens, r recent window, Tc = T − r context tokens, H query heads,
 G KV heads, g = H/G, D head dim, L layers, U = L·G units, P = g·r probes per unit, n tokens in a
@@ -109,14 +109,16 @@ class Settings:
     decay: float = 0.5
     beta: float = 0.1         # β = 0.1·mean R_t in the value weights (write-up)
     floor_frac: float = 0.1   # singleton floor: share of the non-window budget (the write-up's 10 %)
-    prototype_key: str = "post"  # "post": mean of the post-RoPE keys, q·k̃ = mean_t q·k_t exactly
-                                 # (SPEC §5 (a)); "unrotated": RoPE(mean k°, mean position) (the write-up)
-    multiplicity: str = "n"   # log m of a prototype: "n" m = n (Jensen's lower bound of Z with the
-                              # post key; chosen on dev, SPEC §5 (b)); "hbar" m = clamp(n·ħ², 1, n)
-                              # (the write-up); "fit": fitted on the probes, mass-weighted mean of
-                              # log Z − q·k̃, in [0, log n + fit_slack]
+    prototype_key: str = "unrotated"  # "unrotated": RoPE(mean k°, mean position) (the write-up;
+                                      # better on dev); "post": mean of the post-RoPE keys,
+                                      # q·k̃ = mean_t q·k_t exactly (SPEC §5 (a))
+    multiplicity: str = "hbar"  # log m of a prototype: "hbar" m = clamp(n·ħ², 1, n) (the write-up;
+                                # better on dev); "n" m = n (Jensen's lower bound of Z with the post
+                                # key, SPEC §5 (b)); "fit": fitted on the probes, mass-weighted mean
+                                # of log Z − q·k̃, in [0, log n + fit_slack]
     fit_slack: float = 2.0    # c in the fitted bias's clamp [0, log n + c] (SPEC §5) [choice]
-    lookahead: bool = True    # rank an add by max(Δ_add, (Δ_add + its best first split)/2) (SPEC §5 (c))
+    lookahead: bool = True    # rank an add by max(Δ_add, (Δ_add + its best first split)/2)
+                              # (SPEC §5 (c); better on dev and test)
     unit_relevance: float = 0.0  # μ: R_u = (1−μ)·shared row + μ·unit u's own row (SPEC §5 (d));
                                  # 0 = the write-up's shared row (½ measured on dev: no consistent gain)
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
@@ -342,24 +344,22 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
 
 
 # the harness's GraceKV rows (evaluate.py --methods): Settings overrides, which part buys what.
-# `gracekv` is the write-up's method (10 % floor) with SPEC §5's corrections (a)-(f); each
-# ablation switches one of (a)-(d) back alone; (e) the fp32 bias and (f) the sink at B ≤ r are
-# correctness, not options.
-WRITE_UP = {"prototype_key": "unrotated", "multiplicity": "hbar", "lookahead": False}
+# `gracekv` is the write-up's method (10 % floor) with the corrections of SPEC §5 that won on
+# dev — (c) the lookahead, (e) the fp32 bias, (f) the sink at B ≤ r, and the budget counted in
+# allocated slots; (a) and (b) lost on dev and are rows; (e), (f) are correctness, not options.
 VARIANTS = {"gracekv": {},
-            "gracekv-unrotated": {"prototype_key": "unrotated"},  # (a) off: the write-up's key
-            "gracekv-hbar": {"multiplicity": "hbar"},             # (b) off: the write-up's m
-            "gracekv-fit": {"multiplicity": "fit"},               # (b) the other candidate: log m fitted
-            "gracekv-myopic": {"lookahead": False},               # (c) off: adds ranked alone
+            "gracekv-postkey": {"prototype_key": "post"},         # (a) on: the exact mean-logit key
+            "gracekv-mn": {"multiplicity": "n"},                  # (b) on: m = n
+            "gracekv-fit": {"multiplicity": "fit"},               # (b) on: log m fitted on the probes
+            "gracekv-spec": {"prototype_key": "post", "multiplicity": "n"},   # (a) + (b) + (c): SPEC §5
+            "gracekv-myopic": {"lookahead": False},               # (c) off: the write-up as read
             "gracekv-unit": {"unit_relevance": 0.5},              # (d) on: half the unit's own row
             "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
             "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # value flow without propagation
-            "gracekv-write-up": WRITE_UP,                         # none of (a)-(c): the write-up as read
-            "gracekv-lookahead": {**WRITE_UP, "lookahead": True},  # the write-up with (c) alone
             # a large floor: 95 % of the budget on exact tokens ranked by ω·R, the trees refine
-            # the rest (the strongest GraceKV on the embedded model; write-up's key and m)
-            "gracekv-floor": {**WRITE_UP, "floor_frac": 0.95},
-            "gracekv-exact": {**WRITE_UP, "floor_frac": 1.0}}     # no trees: every entry an exact token
+            # the rest (the strongest GraceKV on the embedded model; the former default)
+            "gracekv-floor": {"floor_frac": 0.95, "lookahead": False},
+            "gracekv-exact": {"floor_frac": 1.0}}                 # no trees: every entry an exact token
 
 
 @dataclass
