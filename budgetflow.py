@@ -6,7 +6,8 @@ Tian, Liu, Wang, "Every Cache Entry Earns Its Place" (2026; seed 004, SPEC.md §
   Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1;
   Δ_split(v)  = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1 (see gracekv.py's [choices]);
 one max-heap on Δ/cost over all units and layers, popped until B_alloc allocated slots are spent
-(`Slots`: a layer's heads share one padded tensor); a node splits only after it was added. `cx` is gracekv.Context (one prompt); prototypes and distortions
+(`Slots`: a layer's heads share one padded tensor); a node splits only after it was added.
+`cx` is gracekv.Context (one prompt); prototypes and distortions
 come from prototypes.node_stats.
 
 Notation (SPEC.md): U = L·G units, Tc context tokens, r recent window, n tokens of a node.

@@ -140,14 +140,18 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
     return "\n".join(lines)
 
 
+def headline_metrics(ruler_tasks) -> list:
+    """(task, metric, label) of the headline comparisons: fidelity KL, answer ΔNLL, each RULER score."""
+    return [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")] + \
+        [(t, "string_match_all", t) for t in ruler_tasks]
+
+
 def diff_lines(summary, names, budgets, ruler_tasks) -> list:
     """Per budget and headline metric: each method minus the best uniform rule, paired 95 %
     interval, 'tie' when it contains 0; then PolyKV's gap recovered with its interval."""
-    heads = [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")]
-    heads += [(t, "string_match_all", t) for t in ruler_tasks]
     out = []
     for b in budgets:
-        for task, metric, label in heads:
+        for task, metric, label in headline_metrics(ruler_tasks):
             rows = [d for d in summary if d["budget"] == b and d["task"] == task and d["metric"] == metric]
             vs = [d for d in rows if "vs_best" in d and d["method"] != "full"]
             if not vs:
@@ -170,11 +174,9 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
     prompts both have, with its paired 95 % bootstrap interval ('tie' when it contains 0) —
     an ablation read against the method it ablates."""
     acc = values(rows)
-    heads = [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")]
-    heads += [(t, "string_match_all", t) for t in ruler_tasks]
     out = []
     for b in budgets:
-        for task, metric, label in heads:
+        for task, metric, label in headline_metrics(ruler_tasks):
             base = acc.get((ref, b, task, metric))
             if base is None:
                 continue
