@@ -187,22 +187,27 @@ def allocate(cx, B_alloc: int) -> Plan:
         new = [v] if kind == "add" else plan.split[v][2]
         return [c for c in new if n[c] > 1 and c not in plan.split]
 
+    def fits(kind, v):          # the action's charge fits in what is left now
+        return cost_of.charge(unit[v], 1 if kind == "add" else plan.split[v][1]) <= cost_of.left
+
     while heap and not cost_of.done():
         kind, v = heap[0][2:]
-        if cost_of.charge(unit[v], 1 if kind == "add" else plan.split[v][1]) > cost_of.left:
+        if not fits(kind, v):
             heapq.heappop(heap)
             plan.dropped.append((len(plan.steps), kind, v))
             continue
         if entering(kind, v):
-            # evaluate what the next `prefetch` actions bring in, then, for nodes whose own split
-            # ranks above the prefetch-th action, their children too (they will be needed first)
+            # evaluate what the next `prefetch` affordable actions bring in, then, for nodes whose
+            # own split ranks above the prefetch-th action, their children too (they will be
+            # needed first); actions that do not fit now are left to the loop (near the end of
+            # the budget most of them are dropped unevaluated)
             top = peek(heap, cx.s.prefetch)
             tau, done = -top[-1][0], 0
-            todo = {c for e in top for c in entering(*e[2:])}
+            todo = {c for e in top if fits(*e[2:]) for c in entering(*e[2:])}
             while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead
                 best_splits(cx, plan, sorted(todo))
                 done += len(todo)
-                todo = {c for v in todo if plan.split[v][0] / plan.split[v][1] >= tau
+                todo = {c for v in todo if plan.split[v][0] / plan.split[v][1] >= tau and fits("split", v)
                         for c in entering("split", v)}
         _, _, kind, v = heapq.heappop(heap)
         gain, cost, kids = (plan.add_gain[v], 1, [v]) if kind == "add" else plan.split[v]
