@@ -190,6 +190,16 @@ def allocate(cx, B_alloc: int) -> Plan:
     def fits(kind, v):          # the action's charge fits in what is left now
         return cost_of.charge(unit[v], 1 if kind == "add" else plan.split[v][1]) <= cost_of.left
 
+    def below(kind, v, tau):    # what the action brings in and, down splits already evaluated
+        out = entering(kind, v)          # that rank >= tau (applied soon after it), what they bring in
+        walk = [c for c in ([v] if kind == "add" else plan.split[v][2]) if n[c] > 1 and c in plan.split]
+        while walk:
+            g, cost, kids = plan.split[walk.pop()]
+            if g / cost >= tau:
+                out += [c for c in kids if n[c] > 1 and c not in plan.split]
+                walk += [c for c in kids if n[c] > 1 and c in plan.split]
+        return out
+
     while heap and not cost_of.done():
         kind, v = heap[0][2:]
         if not fits(kind, v):
@@ -197,13 +207,15 @@ def allocate(cx, B_alloc: int) -> Plan:
             plan.dropped.append((len(plan.steps), kind, v))
             continue
         if entering(kind, v):
-            # evaluate what the next `prefetch` affordable actions bring in, then, for nodes whose
-            # own split ranks above the prefetch-th action, their children too (they will be
-            # needed first); actions that do not fit now are left to the loop (near the end of
-            # the budget most of them are dropped unevaluated)
+            # evaluate what the next `prefetch` affordable actions bring in, directly or below
+            # splits evaluated in an earlier round that rank above the prefetch-th action (a
+            # chain of extractions: without the walk each link costs a round of its own), then,
+            # for nodes whose own split ranks above it, their children too (they will be needed
+            # first); actions that do not fit now are left to the loop (near the end of the
+            # budget most of them are dropped unevaluated)
             top = peek(heap, cx.s.prefetch)
             tau, done = -top[-1][0], 0
-            todo = {c for e in top if fits(*e[2:]) for c in entering(*e[2:])}
+            todo = {c for e in top if fits(*e[2:]) for c in below(*e[2:], tau)}
             while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead
                 best_splits(cx, plan, sorted(todo))
                 done += len(todo)
