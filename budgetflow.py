@@ -194,10 +194,11 @@ def allocate(cx, B_alloc: int) -> Plan:
         out = entering(kind, v)          # that rank >= tau (applied soon after it), what they bring in
         walk = [c for c in ([v] if kind == "add" else plan.split[v][2]) if n[c] > 1 and c in plan.split]
         while walk:
-            g, cost, kids = plan.split[walk.pop()]
+            c = walk.pop()
+            g, cost, kids = plan.split[c]
             if g / cost >= tau:
-                out += [c for c in kids if n[c] > 1 and c not in plan.split]
-                walk += [c for c in kids if n[c] > 1 and c in plan.split]
+                out += entering("split", c)
+                walk += [k for k in kids if n[k] > 1 and k in plan.split]
         return out
 
     while heap and not cost_of.done():
