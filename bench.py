@@ -22,10 +22,9 @@ import time
 import torch
 
 import evaluate as E
-import methods as MT
 import model as M
 import polykv as P
-import tasks as TK
+from support import tasks as TK
 
 
 def timed(fn, repeat: int):
@@ -99,10 +98,10 @@ def main(argv=None):
     M.prefill(m, x)                                                           # warm-up, untimed
 
     # 1. observation and compression
-    names = [n for n in E.DEFAULT_METHODS if n not in ("full", "random", "polykv")]
+    names = [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
     made = {n: {b: E.method(n, b, L) for b in budgets} for n in names}
     everyone = [ms[budgets[0]] for ms in made.values()]
-    t_plain, t_obs, ratio, (full, obs) = timed_pair(lambda: M.prefill(m, x), lambda: MT.observe_for(m, x, everyone),
+    t_plain, t_obs, ratio, (full, obs) = timed_pair(lambda: M.prefill(m, x), lambda: P.observe_for(m, x, everyone),
                                                     args.repeat)
     print(f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every default method "
           f"{t_obs:.2f} s = {ratio:.2f}x plain (median ratio of {args.repeat} interleaved pairs)")

@@ -20,9 +20,9 @@ import time
 import torch
 
 import evaluate as E
-import methods as MT
 import model as M
-from errors import UsageError
+import polykv as P
+from support.errors import UsageError
 
 LLAMA_31_8B = M.Config(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
                        hidden_dim=14336, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=False,
@@ -68,8 +68,8 @@ def main(argv=None):
     print("| stage | s | peak GB |\n|---|---|---|")
     stage("warm-up prefill", lambda: M.prefill(m, x[:, :1024]))
     full = stage("plain prefill", lambda: M.prefill(m, x))
-    made = {n: E.method(n, B, L) for n in E.DEFAULT_METHODS if n not in ("full", "random", "polykv")}
-    full, obs = stage("prefill observing for every default method", lambda: MT.observe_for(m, x, list(made.values())))
+    made = {n: E.method(n, B, L) for n in E.default_methods() if n not in ("full", "random", "polykv")}
+    full, obs = stage("prefill observing for every default method", lambda: P.observe_for(m, x, list(made.values())))
     caches = {n: stage(f"compress {n}", lambda: meth.compress(m, full, obs)) for n, meth in made.items()}
     stage(f"FullKV: {args.steps} decoding steps", lambda: M.greedy(m, full.fork(), args.steps))
     stage(f"SnapKV B={B}: {args.steps} decoding steps", lambda: M.greedy(m, caches["snapkv"].fork(), args.steps))

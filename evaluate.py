@@ -58,39 +58,59 @@ from pathlib import Path
 
 import torch
 
+import calibrate
 import gracekv
-import longbench as LB
-import methods as MT
-import metrics
 import model as M
 import polykv as P
-import report
-import rules
-import tasks as TK
-from errors import UsageError
-
-# FullKV, every registered rule (rules.RULES) and PyramidKV's schedule
-UNIFORM = ("full",) + tuple(name for name in rules.RULES if name != "random") + ("pyramidkv", "random")
-# PolyKV rows: the paper's calibration and the joint one (joint.py), each with its ablations
-POLYKV = ("polykv", "polykv-pattern", "polykv-budget", "polykv-prefill",
-          "polykv-joint", "polykv-joint-pattern", "polykv-joint-budget")
-METHODS = UNIFORM + POLYKV + tuple(gracekv.VARIANTS)
-DEFAULT_METHODS = UNIFORM + ("polykv", "gracekv")
-# the reference suite also runs the joint calibration and its ablations (README headline)
-REFERENCE_METHODS = UNIFORM + ("polykv", "polykv-joint", "polykv-joint-pattern", "polykv-joint-budget", "gracekv")
+from support import longbench as LB
+from support import metrics, report
+from support import tasks as TK
+from support.errors import UsageError
+from support.files import read_rows, write_atomic
 
 
-def method(name: str, budget: int, n_layers: int, settings=None, decode=None) -> MT.Method:
+# ----------------------------------------------------------------------------- the method names
+# Computed from the registries when used, so a rule registered at run time is a method, a
+# baseline and a pool rule at once.
+
+def uniform_methods() -> tuple:
+    """FullKV, every registered rule (polykv.RULES) and PyramidKV's schedule; random last."""
+    return ("full",) + tuple(n for n in P.RULES if n != "random") + ("pyramidkv",) + \
+        (("random",) if "random" in P.RULES else ())
+
+
+def baselines() -> tuple:
+    """The standalone methods a calibrated policy is compared with: the pool rules and PyramidKV."""
+    return P.pool() + ("pyramidkv",)
+
+
+def all_methods() -> tuple:
+    """Every --methods name: the uniform methods, PolyKV's rows and GraceKV's rows."""
+    return uniform_methods() + tuple(calibrate.VARIANTS) + tuple(gracekv.VARIANTS)
+
+
+def default_methods(suite: str = "default") -> tuple:
+    """The default rows; the reference suite adds the joint calibration and its ablations."""
+    extra = ("polykv-joint", "polykv-joint-pattern", "polykv-joint-budget") if suite == "reference" else ()
+    return uniform_methods() + ("polykv",) + extra + ("gracekv",)
+
+
+def family(name: str) -> str:
+    """"polykv" or "gracekv" for those papers' rows (their variant tables), else "uniform"."""
+    return "polykv" if name in calibrate.VARIANTS else "gracekv" if name in gracekv.VARIANTS else "uniform"
+
+
+def method(name: str, budget: int, n_layers: int, settings=None, decode=None) -> P.Method:
     """A method that needs no calibration, by its --methods name: FullKV or a registered rule
-    (its own decode form, or `decode`), PyramidKV, a GraceKV variant. settings: rules.RuleSettings."""
-    s = settings or rules.RuleSettings()
+    (its own decode form, or `decode`), PyramidKV, a GraceKV row. settings: polykv.RuleSettings."""
+    s = settings or P.RuleSettings()
     if name == "pyramidkv":
         return P.Pyramid(budget, s)
     if name in gracekv.VARIANTS:
-        return gracekv.GraceKV(budget, gracekv.Settings(**gracekv.VARIANTS[name]))
-    if name in UNIFORM:
+        return gracekv.variant(name, budget)
+    if name in uniform_methods():
         return P.Policy.uniform(name, budget, n_layers, decode, s)
-    raise UsageError(f"unknown method {name!r}; choose from {', '.join(METHODS)}")
+    raise UsageError(f"unknown method {name!r}; choose from {', '.join(all_methods())}")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
 # full cache at the default length (README: measured FullKV scores and why the others are out)
 DEFAULT_RULER = ("niah_single_1",)
@@ -114,7 +134,7 @@ def teacher_force(model, cache, target, decoder=None, stepwise=False):
     and the cache's peak (real entries, allocated slots) between steps.
 
     stepwise: feed one token per step (needed when a decoder evicts); FullKV and every method
-    of an item take the same path (SPEC.md §6 "Same numerical path")."""
+    of an item take the same path (docs/protocol.md, "Same numerical path")."""
     n = target.shape[1]
     steps = [slice(i, i + 1) for i in range(n - 1)] if stepwise else [slice(0, n - 1)] * (n > 1)
     rows, entries, slots = [cache.last_logits[:, None]], cache.entries(), cache.allocated()
@@ -150,7 +170,6 @@ class Methods:
             if self.args.policy:
                 self.policies[key] = P.Policy.load(self.args.policy, n_layers=self.L)
             else:
-                import calibrate
                 path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
                                              procedure)
                 print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
@@ -162,25 +181,20 @@ class Methods:
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
-    def get(self, name, budget) -> MT.Method:
+    def get(self, name, budget) -> P.Method:
         if (name, budget) not in self.made:
             self.made[name, budget] = self.make(name, budget)
         return self.made[name, budget]
 
-    def make(self, name, budget) -> MT.Method:
+    def make(self, name, budget) -> P.Method:
         """The method; under --memory equal a policy's decode budgets grow by the allowance."""
-        if name not in POLYKV:
+        if name not in calibrate.VARIANTS:
             pol = method(name, budget, self.L)
             if not isinstance(pol, P.Policy):
                 return pol
         else:
-            import calibrate
-            procedure = "joint" if name.startswith("polykv-joint") else "paper"
-            pol = self.calibrated(budget, procedure)
-            ablation = name.replace("-joint", "")
-            pol = {"polykv": lambda p: p, "polykv-pattern": calibrate.pattern_only,
-                   "polykv-prefill": calibrate.prefill_only,
-                   "polykv-budget": lambda p: calibrate.budget_only(p, p.meta.get("best_uniform", "snapkv"))}[ablation](pol)
+            procedure, transform = calibrate.VARIANTS[name]
+            pol = transform(self.calibrated(budget, procedure))
         return pol.with_allowance(self.args.allowance) if self.args.memory == "equal" else pol
 
 
@@ -190,7 +204,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     todo = [(n, b) for b in budgets for n in names if result_key(n, b, item) not in done]
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
     t0 = time.perf_counter()
-    full, obs = MT.observe_for(model, item.tokens, list(made.values()))
+    full, obs = P.observe_for(model, item.tokens, list(made.values()))
     t_p = time.perf_counter() - t0
     if item.target is not None:
         n = item.target.shape[1]
@@ -216,33 +230,38 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
         if item.sample is not None:
             n_new = min(item.sample.max_new_tokens, methods.args.max_new_tokens)
             # a decoder that cannot evict within the answer would only cost time per step
-            ids = M.greedy(model, cache.fork(), n_new, metrics.stop_ids(tok, item.sample),
+            ids = M.greedy(model, cache.fork(), n_new, stop_ids(tok, item.sample),
                            method.decoder if method.evicts_within(T, n_new) else None,
-                           metrics.answer_done(tok, item.sample))
+                           answer_done(tok, item.sample))
             r["pred"] = tok.decode(ids)
             r["score"] = metrics.score(item.sample, r["pred"])
         out.append(r)
     return out
 
 
-def read_rows(jsonl: Path) -> list:
-    """The finished rows of a run. A run killed while writing (power loss, OOM killer) leaves a
-    torn last line: it is dropped with a one-line warning and cut from the file, so the rerun
-    appends after the last complete row."""
-    if not jsonl.exists():
-        return []
-    data = jsonl.read_bytes()
-    keep = data[:data.rfind(b"\n") + 1]                 # complete lines end with a newline
-    rows = []
-    for line in keep.decode().splitlines():
-        if line.strip():
-            rows.append(json.loads(line))
-    if len(keep) < len(data):
-        print(f"warning: {jsonl}: dropped a torn last line ({len(data) - len(keep)} bytes) "
-              "from an interrupted run; it is recomputed", file=sys.stderr, flush=True)
-        with open(jsonl, "r+b") as f:
-            f.truncate(len(keep))
-    return rows
+# ----------------------------------------------------------------------------- where an answer ends
+
+def stop_ids(tok, sample) -> set:
+    """Where greedy decoding stops: EOS, and for samsum the newline token too (LongBench
+    pred.py: eos_token_id=[eos, encode("\\n")[-1]])."""
+    if sample.stop_at_newline:
+        return set(tok.eos_ids) | {tok.encode("\n", add_special_tokens=False)[-1]}
+    return set(tok.eos_ids)
+
+
+def answer_done(tok, sample):
+    """When a greedy answer is complete, before the token cap: for the tasks scored on their
+    first line (RULER's needles, LongBench's FIRST_LINE_TASKS), once a newline follows text
+    other than whitespace; None (run to the cap or EOS) for the others.
+
+    LongBench's first-line tasks: exact (the scored line is complete at that newline).
+    RULER: our choice — its scorer (scripts/eval/evaluate.py postprocess_pred + string_match)
+    searches the whole prediction; the answers are one short line, and on the reference run's
+    1,280 needle predictions no answer appeared after the first non-blank line. The cap stays
+    RULER's 128 tokens (24 on CPU, evaluate.py --max-new-tokens)."""
+    if not (sample.metric.startswith("string_match") or sample.task in FIRST_LINE_TASKS):
+        return None
+    return lambda ids: "\n" in tok.decode(ids).lstrip()
 
 
 def result_key(name, budget, item) -> str:
@@ -293,7 +312,7 @@ def parse(argv):
                     help="equal: every method may grow by the generated tokens (evicting decode rules evict only "
                          "beyond that), so peaks are equal; budget: evicting decode rules hold their prompt budget")
     ap.add_argument("--methods", default=None,
-                    help=f"comma list (default {','.join(DEFAULT_METHODS)}; --suite reference adds the joint PolyKV rows)")
+                    help=f"comma list (default {','.join(default_methods())}; --suite reference adds the joint PolyKV rows)")
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
@@ -315,11 +334,11 @@ def parse(argv):
                     help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)")
     args = ap.parse_args(argv)
     if args.methods is None:
-        args.methods = ",".join(REFERENCE_METHODS if args.suite == "reference" else DEFAULT_METHODS)
+        args.methods = ",".join(default_methods(args.suite))
     args.methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in args.methods if m not in METHODS]
+    bad = [m for m in args.methods if m not in all_methods()]
     if bad:
-        raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(METHODS)}")
+        raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(all_methods())}")
     args.tasks = [t for t in args.tasks.split(",") if t]
     bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
     if bad:
@@ -425,21 +444,22 @@ def main(argv=None):
     if rank != 0:
         return
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
-    summary = report.summarize(rows, args.methods, args.budget)
+    summary = report.summarize(rows, args.methods, args.budget, baselines(),
+                               [n for n in args.methods if family(n) == "polykv"])
     config["wall_s"] = round(time.time() - t_start, 1)
     per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}
     config["prefill_s"] = round(sum(per_prompt.values()) / max(1, len(per_prompt)), 2)
-    P.write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
+    write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
               f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt")
     md = header + "\n\n" + report.table(summary, args.methods, args.budget, args.tasks)
-    P.write_atomic(out / "summary.md", md + "\n")
+    write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
-        report.plot(summary, args.methods, out)
+        report.plot(summary, args.methods, out, family)
 
 
 if __name__ == "__main__":

@@ -38,18 +38,16 @@ from pathlib import Path
 import torch
 
 import evaluate
-import methods as MT
 import model as M
 import polykv as P
-import rules
-import tasks as TK
-from errors import UsageError
+from support import tasks as TK
+from support.errors import UsageError
 
 FORMAT = "kvcache-oracle/1"
-CONVENTIONS = {"paper": rules.RuleSettings(), "kvpress": rules.KVPRESS}
+CONVENTIONS = {"paper": P.RuleSettings(), "kvpress": P.KVPRESS}
 
 
-def make_method(name: str, budget: int, n_layers: int, settings=None, policy=None) -> MT.Method:
+def make_method(name: str, budget: int, n_layers: int, settings=None, policy=None) -> P.Method:
     """A method by its evaluate.py name (evaluate.method), with no decode-time eviction; polykv
     reads its policy file."""
     if name != "polykv":
@@ -58,31 +56,31 @@ def make_method(name: str, budget: int, n_layers: int, settings=None, policy=Non
         raise UsageError("polykv needs --policy FILE (python calibrate.py --out FILE)")
     pol = P.Policy.load(policy, n_layers=n_layers)
     pol = pol if pol.budget == budget else pol.rescaled(budget)
-    return P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode[1])) for lp in pol.layers],
+    return P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode.budget)) for lp in pol.layers],
                     pol.budget, pol.settings, pol.meta)
 
 
 @torch.no_grad()
-def dump(model, tokens: torch.Tensor, method: MT.Method, name: str, budget: int, n_probe: int = 8,
+def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, n_probe: int = 8,
          n_decode: int = 4, model_name: str = "") -> tuple:
     """(tensors, header) of the reference file for tokens (1, T)."""
     T, L = tokens.shape[1], model.config.n_layers
     P_ = min(n_probe, T)
     qs = {}                   # probe queries: each layer's queries at the last P prompt positions
     spy = lambda l, q, q_pos, lc, out: qs.__setitem__(l, (q[:, :, -P_:].clone(), q_pos[:, -P_:]))
-    full, obs = MT.observe(model, tokens, method.needs(model), spy)
+    full, obs = P.observe(model, tokens, method.needs(model), spy)
     cache = method.compress(model, full, obs)
     S = max(lc.size for lc in cache.layers)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
     t = {"tokens": tokens[0].cpu(),
          "pos": torch.stack([pad(lc.pos[0], -1) for lc in cache.layers]).cpu(),                # (L, G, S)
          "bias": torch.stack([pad(lc.bias[0].float(), -math.inf) for lc in cache.layers]).cpu()}
-    if isinstance(method, P.Policy) and len({lp.prefill[0] for lp in method.layers}) == 1 \
-            and method.layers[0].prefill[0] in rules.RULES:
-        rule = method.layers[0].prefill[0]
+    if isinstance(method, P.Policy) and len({lp.prefill.rule for lp in method.layers}) == 1 \
+            and method.layers[0].prefill.rule in P.RULES:
+        rule = method.layers[0].prefill.rule
         sc = []
         for l in range(L):
-            s, prot = rules.score(rule, rules.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings))
+            s, prot = P.score(rule, P.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings))
             sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
         t["scores"] = torch.stack(sc).float().cpu()                                           # (L, G, T)
     outs = {"out": [], "full_out": []}          # the probe queries over both caches
@@ -103,10 +101,33 @@ def dump(model, tokens: torch.Tensor, method: MT.Method, name: str, budget: int,
     for key in outs:
         t[key] = torch.stack([torch.cat(o, 1) for o in outs[key]]).cpu()                       # (L, H, P+n, D)
     header = {"format": FORMAT, "model": model_name, "method": name, "budget": budget,
-              "settings": getattr(method, "settings", None).__dict__ if getattr(method, "settings", None) else {},
+              "settings": settings_json(getattr(method, "settings", None)),
               "P": P_, "n": len(dec), "decode_tokens": dec,
               "versions": {"torch": torch.__version__, "python": platform.python_version()}}
     return t, header
+
+
+def settings_json(s) -> dict:
+    """A method's settings for the header: RuleSettings' fields, or GraceKV's (formulas by name)."""
+    if s is None:
+        return {}
+    return s.to_json() if hasattr(s, "to_json") else dict(s.__dict__)
+
+
+def read_tokens(path, vocab_size: int) -> list:
+    """The prompt's token ids from a JSON file (a list of integers), checked against the vocabulary."""
+    try:
+        ids = json.loads(Path(path).read_text())
+    except OSError as e:
+        raise UsageError(f"cannot read --tokens {str(path)!r}: {e.strerror}")
+    except ValueError as e:
+        raise UsageError(f"--tokens {str(path)!r} is not JSON: {e}")
+    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise UsageError(f"--tokens {str(path)!r} must hold a non-empty JSON list of integer token ids")
+    bad = [i for i in ids if not 0 <= i < vocab_size]
+    if bad:
+        raise UsageError(f"--tokens {str(path)!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+    return ids
 
 
 def write(path, tensors: dict, header: dict):
@@ -221,7 +242,7 @@ def main(argv=None):
         raise UsageError(f"cannot write {args.out!r}: no such folder")
     m, tok = M.load(args.model, device="cpu")
     if args.tokens:
-        ids = json.loads(Path(args.tokens).read_text())
+        ids = read_tokens(args.tokens, m.config.vocab_size)
     elif args.text is not None:
         ids = tok.encode(args.text)
     else:

@@ -1,50 +1,448 @@
-"""PolyKV's policies: per layer and phase, an eviction rule and a budget; and how they run.
+"""PolyKV: per layer and phase, an eviction rule and a budget; the rules; the hooks that run them.
 
 Implements the framework of Fei & Kalnis, "PolyKV: Heterogeneous Retention and Allocation for
-KV Cache Compression" (2026; seeds 000/001, SPEC.md §4): a *policy* Π assigns every layer l and
-phase φ ∈ {prefill, decode} a rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B. The
-rules are the registry of rules.py; a uniform baseline is the policy with one rule everywhere.
-A Policy is a methods.Method: it observes what its rules need during the shared prefill,
-compresses each layer once by its prefill rule, and its `decoder` evicts each layer back to its
-decode budget after every generated token (decode rules streaming, h2o, tova; `append` grows).
+KV Cache Compression" (arXiv 2606.15157, 2026; its later version "Exploring a Layer-Wise Design
+Space for KV Cache Eviction"): a *policy* Π assigns every layer l and phase φ ∈ {prefill, decode}
+an eviction rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B, built offline
+(calibrate.py) and then only executed. Read top to bottom:
 
-Notation (SPEC.md): B batch, T prompt tokens, S cached entries, H query heads, G KV heads,
-L layers, w observation window.
+ 1. The framework (the paper's hooks: pre-kernel, post-kernel, cache update; model.Hooks). Every
+    compression method is a `Method`: it says what it must observe during the one shared
+    full-attention prefill (`Needs`), compresses the FullKV cache once (`compress`) and may evict
+    while decoding (`decoder`, a cache-update hook). `observe` runs the prefill for several
+    methods at once, each layer's attention computed once in query chunks.
+ 2. The rules (the design space): one scoring function and one `@rule` record each, a shared
+    top-k `select`, and each rule's decode form. Adding a rule is one function and one line.
+ 3. The policy that runs them (`Policy`: per layer a prefill and a decode `Phase`), and
+    PyramidKV's layer schedule (`Pyramid`).
 
-PyramidKV (Cai et al. 2024) is SnapKV scoring with a layer schedule (`pyramid_budgets`); its
-per-layer sizes use largest-remainder rounding instead of integer division, so that
-Σ_l b_l = L·B exactly (KVCache-Factory's `//` drifts above the average budget).
+Notation: B batch, T prompt tokens, S cached entries, H query heads, G KV heads, g = H/G,
+L layers, w observation window, A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j), causal, in fp32.
+Design notes (GQA reduction, ties, departures from the original code): docs/design.md.
 """
 from __future__ import annotations
 
 import json
-import os
+import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
+import torch.nn.functional as F
 
-import methods
-import rules
-from cache import Cache
-from errors import UsageError
-from model import Hooks, attention_probs
-from rules import DECODE, RULES, RuleSettings, ScoreInput, group_mean, select
+import model as M
+from model import Cache, Hooks, attention_probs
+from support.errors import UsageError
+from support.files import write_atomic
 
 
+# ============================================================================= 1. the framework
+
+# Statistics a rule can read (per query head (B, H, T), A the causal attention of the prompt):
+#   colsum  Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
+#   window  Σ_{i in last w} A[h,i,j]   SnapKV's observation window
+#   last    A[h,T−1,j]                 TOVA's last query
+# A method may add its own per-layer statistic (`Needs.extra`, e.g. GraceKV's value flow): an
+# object with lowest(T) (the first query row it reads), begin(q, lc) -> state,
+# add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
+# and merge(other) -> the one statistic that serves both.
+STATS = ("colsum", "window", "last")
+
+
+@dataclass(frozen=True)
+class Needs:
+    """What a method must observe during the shared prefill."""
+    stats: tuple = ()     # per layer, a frozenset of STATS names
+    window: int = 32      # w of the `window` statistic
+    chunk: int = 256      # query rows per chunk of the observation pass (memory only)
+    extra: tuple = ()     # ((name, statistic), ...): a method's own per-layer statistics
+
+
+def union(needs: list, n_layers: int) -> Needs:
+    """What a shared prefill must observe for all of `needs`: per layer the union of the
+    statistics, each extra statistic merged by name, the smallest chunk. Methods must agree on
+    the observation window."""
+    stats = [frozenset()] * n_layers
+    window, extra, chunk = None, {}, min([n.chunk for n in needs] or [256])
+    for n in needs:
+        if any(n.stats):
+            if window not in (None, n.window):
+                raise UsageError(f"methods observe with different windows: {window} vs {n.window}")
+            window = n.window
+            stats = [a | b for a, b in zip(stats, n.stats)]
+        for name, st in n.extra:
+            extra[name] = st if name not in extra else extra[name].merge(st)
+    return Needs(tuple(stats), window or 32, chunk, tuple(extra.items()))
+
+
+@dataclass
+class Observation:
+    stats: list                     # [dict name -> (B, H, T)] * L
+    extra: dict = field(default_factory=dict)   # name -> [value per layer] (Needs.extra)
+
+
+class Method:
+    """The interface every compression method implements (the shape of NVIDIA kvpress's presses):
+      needs(model)               what it must observe during the full-attention prefill (`Needs`);
+      compress(model, full, obs) (FullKV cache, `Observation`) -> its compressed cache; `full` is
+                                 left untouched, so several methods share one prefill;
+      decoder                    None = append every generated token, else hooks whose
+                                 cache_update evicts after each step (model.decode);
+      prefill(model, tokens)     observe + compress for this method alone.
+    Subclasses: Policy, Pyramid, gracekv.GraceKV."""
+
+    def needs(self, model) -> Needs:
+        return Needs()
+
+    def compress(self, model, full: Cache, obs: Observation) -> Cache:
+        raise NotImplementedError
+
+    @property
+    def decoder(self) -> Optional[Hooks]:
+        return None
+
+    def evicts_within(self, T: int, n: int) -> bool:
+        """Whether the decoder can evict while n tokens follow a prompt of T tokens (if not,
+        decoding is plain appending and may run in one step)."""
+        return False
+
+    @torch.no_grad()
+    def prefill(self, model, tokens) -> Cache:
+        """Full prefill of tokens (1, T) observing what this method needs, then compression."""
+        full, obs = observe(model, tokens, self.needs(model))
+        return self.compress(model, full, obs)
+
+
+def causal_probs(q, k, c0: int) -> torch.Tensor:
+    """A[b, h, i, j] (B, H, c, c1) of query rows c0..c1−1 over keys 0..c1−1 of a fresh prefill
+    (key j at position j, bias 0): model.attention_probs with the mask reduced to the upper
+    triangle of the last c×c block, fp32 (fp64 for fp64 inputs). The scale 1/√D goes on the
+    queries before the product (exact when D is a power of 4, e.g. 64; else a rounding apart).
+    Tested against it."""
+    B, H, c, D = q.shape
+    G, c1 = k.shape[1], k.shape[2]
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # one (g·c, D) x (D, c1) product per KV group: the keys are never broadcast to g copies
+    # (a loop of 2-D products: faster on CPU than one batched product over transposed keys)
+    qg = (q.to(acc) / math.sqrt(D)).reshape(B, G, H // G * c, D)             # (B, G, g·c, D)
+    kk = k.to(acc)
+    logits = qg.new_empty(B, G, H // G, c, c1)                               # (B, G, g, c, c1)
+    for b in range(B):
+        for gi in range(G):
+            torch.mm(qg[b, gi], kk[b, gi].T, out=logits[b, gi].view(-1, c1))
+    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)       # j > i: the future
+    logits[..., c0:].masked_fill_(tri, float("-inf"))
+    return torch.softmax(logits, dim=-1).view(B, H, c, c1)
+
+
+def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=()):
+    """Every requested statistic of one layer from one pass over its attention.
+
+    q (B, H, T, D) are the prompt's queries and lc its fresh FullKV cache (key j at position j,
+    so query rows [c0, c1) see keys [0, c1) only: the causal key range). Query rows go in
+    descending chunks; each chunk's A (B, H, c, c1) is computed once (`causal_probs`) and feeds
+    the column sums, the window sums, the last row and every extra statistic. Rows no statistic
+    reads are skipped. Returns ({name: (B, H, T)}, {extra name: value})."""
+    B, H, T, D = q.shape
+    assert lc.size == T and not lc.bias.any(), "observe_layer reads a fresh prefill (key j at position j)"
+    lowest = 0 if "colsum" in names else \
+        min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T) for _, st in extra])
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
+    state = {name: st.begin(q, lc) for name, st in extra}
+    for c1 in range(T, lowest, -chunk):
+        c0 = max(lowest, c1 - chunk)
+        p = causal_probs(q[:, :, c0:c1], lc.k[:, :, :c1], c0)        # (B, H, c, c1)
+        if "colsum" in names:
+            out["colsum"][..., :c1] += p.sum(2)                      # Σ_{all i} A[h,i,j]
+        if "window" in names and c1 > T - window:
+            out["window"][..., :c1] += p[:, :, max(0, T - window - c0):].sum(2)   # Σ_{i ≥ T−w}
+        if "last" in names and c1 == T:
+            out["last"] = F.pad(p[:, :, -1], (0, T - c1))            # A[h,T−1,j]
+        for name, st in extra:
+            st.add(state[name], c0, c1, p)
+    return out, {name: st.end(state[name]) for name, st in extra}
+
+
+@torch.no_grad()
+def observe(model, tokens, needs: Needs, spy=None):
+    """One full-attention prefill of tokens (B, T) recording what `needs` asks for, layer by
+    layer, each layer's attention computed once: (FullKV cache, Observation). spy: an extra
+    post-kernel callable (layer, q, q_pos, lc, out) that sees the same pass."""
+    L = model.config.n_layers
+    per_layer = needs.stats or (frozenset(),) * L
+    obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
+
+    def post_kernel(layer, q, q_pos, lc, out):
+        obs.stats[layer], ex = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.extra)
+        for name, value in ex.items():
+            obs.extra[name][layer] = value
+        if spy is not None:
+            spy(layer, q, q_pos, lc, out)
+
+    hooks = Hooks(post_kernel=post_kernel) if any(per_layer) or needs.extra or spy else None
+    return M.prefill(model, tokens, hooks), obs
+
+
+def observe_for(model, tokens, methods: list):
+    """The shared prefill of several methods: observe(model, tokens, union of their needs)."""
+    return observe(model, tokens, union([m.needs(model) for m in methods], model.config.n_layers))
+
+
+# ============================================================================= 2. the rules
+# A rule is one small scoring function under its formula and citation, registered with its needs
+# (which prefill statistics it reads, STATS) and its decode form (what it does while decoding).
+# Everything else reads the registry when it is used: `Policy`, `evaluate.py --methods`,
+# calibration's pool (`pool()`), the report's baselines and the generic rule tests. README "Add
+# your own rule" walks through one.
+#
+# A scoring function takes a `ScoreInput` and returns (scores (B, G, T) or broadcastable to it,
+# higher = keep; protected (T,) bool, always kept). `select` keeps the top-`budget` (protected
+# first, ties toward the later position) sorted by position. GQA: a score per query head is
+# reduced to its KV head by the mean over its g query heads (kvpress convention); TOVA averages
+# over all H heads of the layer (one kept set shared by the layer's KV heads, as TOVA's
+# `tova_cache.py`). Departures from the original code:
+# - H2O and TOVA evict token by token during prefill in their original code; here, as in
+#   KVCache-Factory and the PolyKV framework, they score once after a full-attention prefill.
+# - StreamingLLM re-assigns cache positions to the kept tokens; here kept keys keep their
+#   original rotation and queries their true positions (the cache contract, model.py).
+# - PyramidKV is not a rule: at a fixed layer budget it is SnapKV; its layer schedule is
+#   `pyramid_budgets` (the `pyramidkv` method).
+
+@dataclass(frozen=True)
+class RuleSettings:
+    window: int = 32      # w: SnapKV paper's LongBench configs (KVCache-Factory uses 8); H2O's recent r = w
+    kernel: int = 7       # SnapKV max-pool kernel (SnapKV paper, KVCache-Factory)
+    n_sink: int = 4       # StreamingLLM attention sinks (Xiao et al. 2023, §3.2)
+    beta: float = 20.0    # PyramidKV's ratio max/min of selected tokens (KVCache-Factory default)
+    seed: int = 0         # the `random` floor's seed
+    chunk: int = 256      # queries per chunk when reducing H2O's column sums
+    pool: str = "max"     # SnapKV's pooling over j: "max" (SnapKV, KVCache-Factory) or "avg" (kvpress)
+    tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
+
+    def __post_init__(self):
+        for name in ("window", "kernel", "chunk"):
+            if getattr(self, name) < 1:
+                raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.n_sink < 0 or self.beta <= 1:
+            raise UsageError(f"need n_sink >= 0 and beta > 1, got {self.n_sink}, {self.beta}")
+        if self.pool not in ("max", "avg"):
+            raise UsageError(f"pool must be 'max' or 'avg', got {self.pool!r}")
+
+
+# NVIDIA kvpress 0.5.5's conventions (kvpress/presses/*_press.py), where they differ from the
+# papers' reference code that the defaults follow:
+#   SnapKV        window 64 (ours 32), kernel 5 (ours 7), *average* pooling with zero padding
+#                 counted (ours: max), window attention averaged rather than summed (the same
+#                 ranking: a constant factor 1/w on every score);
+#   StreamingLLM  4 sinks + the most recent: the same kept set;
+#   TOVA          the last query's attention over keys < T−1, mean over all heads, the last
+#                 token always kept (ours scores all T keys and protects none);
+#   K-norm        −‖k‖: the same.
+# kvpress picks the kept set with torch.topk (ties unspecified) for n_kept = max(1, int(T·(1 − r)))
+# at compression ratio r; this project's `select` breaks ties toward the later position.
+KVPRESS = RuleSettings(window=64, kernel=5, n_sink=4, pool="avg", tova_keep_last=True)
+
+
+@dataclass
+class ScoreInput:
+    """What a scoring function may read about one layer after the prefill."""
+    stats: dict           # the statistics the rule declared, each (B, H, T) per query head
+    k: torch.Tensor       # (B, G, T, D) post-RoPE keys of the layer
+    layer: int
+    settings: RuleSettings
+
+    @property
+    def shape(self):      # (B, G, T)
+        return self.k.shape[:3]
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    score: Callable       # ScoreInput -> (scores (B, G, T), protected (T,))
+    needs: frozenset      # prefill statistics it reads (STATS)
+    decode: str           # its own decode form, a key of DECODE ("append": grow)
+    pool: bool            # a candidate of PolyKV's calibration pool (not the random floor)
+
+
+RULES: dict = {}          # name -> Rule, in registration order
+
+
+def rule(name: str, needs=(), decode: str = "append", pool: bool = True):
+    """Register a scoring function as rule `name` (the one line a new rule adds)."""
+    def register(fn):
+        RULES[name] = Rule(name, fn, frozenset(needs), decode, pool)
+        return fn
+    return register
+
+
+def group_mean(s: torch.Tensor, G: int) -> torch.Tensor:
+    """(B, H, S) per query head -> (B, G, S): mean over each KV head's g query heads."""
+    B, H, S = s.shape
+    return s.view(B, G, H // G, S).mean(2)
+
+
+def none_protected(T: int) -> torch.Tensor:
+    return torch.zeros(T, dtype=torch.bool)
+
+
+def recent(T: int, w: int) -> torch.Tensor:
+    """(T,) the last w positions."""
+    return torch.arange(T) >= T - w
+
+
+# ----------------------------------------------------------------------------- the rules
+
+@rule("streaming", decode="streaming")
+def streaming(x: ScoreInput):
+    """StreamingLLM (Xiao et al. 2023, `streaming_llm/kv_cache.py`): the first n_sink tokens
+    (attention sinks) + the most recent; score = position."""
+    B, G, T = x.shape
+    return torch.arange(T, dtype=torch.float64).expand(B, G, T), torch.arange(T) < x.settings.n_sink
+
+
+@rule("h2o", needs={"colsum"}, decode="h2o")
+def h2o(x: ScoreInput):
+    """H2O (Zhang et al. 2023, `h2o_hf/utils_hh/modify_llama.py`; KVCache-Factory's one-shot
+    form): s_j = Σ_{all i} A[h,i,j], group mean; the recent r = w tokens kept."""
+    B, G, T = x.shape
+    return group_mean(x.stats["colsum"], G), recent(T, x.settings.window)
+
+
+@rule("tova", needs={"last"}, decode="tova")
+def tova(x: ScoreInput):
+    """TOVA (Oren et al. 2024, `src/tova_cache.py`): s_j = mean_h A[h,T−1,j] over all H heads
+    of the layer, one kept set shared by its KV heads."""
+    B, G, T = x.shape
+    sc = x.stats["last"].mean(1, keepdim=True).expand(B, G, T)
+    if x.settings.tova_keep_last:        # kvpress: scores of keys < T−1, the last token kept
+        return sc, torch.arange(T) == T - 1
+    return sc, none_protected(T)
+
+
+@rule("snapkv", needs={"window"})
+def snapkv(x: ScoreInput):
+    """SnapKV (Li et al. 2024, `snapkv/monkeypatch/snapkv_utils.py`): s_j = Σ_{i in last w}
+    A[h,i,j] for j < T−w, max-pooled over j (kernel k, stride 1, padding k//2), group mean;
+    the window itself is kept."""
+    B, G, T = x.shape
+    s = x.settings
+    win = x.stats["window"][:, :, : max(T - s.window, 0)]                     # (B, H, T−w)
+    if win.shape[2]:
+        pool = F.max_pool1d if s.pool == "max" else F.avg_pool1d              # avg: kvpress
+        win = pool(win, s.kernel, stride=1, padding=s.kernel // 2)            # (B, H, T−w)
+    sc = torch.cat((group_mean(win, G), win.new_zeros(B, G, T - win.shape[2])), 2)
+    return sc, recent(T, s.window)
+
+
+@rule("knorm")
+def knorm(x: ScoreInput):
+    """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression"; kvpress `KnormPress`): keys with a *low* L2 norm draw more attention, so
+    s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the norm
+    of the post-RoPE key is the norm of the key."""
+    B, G, T = x.shape
+    return -x.k.double().norm(dim=-1), none_protected(T)
+
+
+@rule("random", pool=False)
+def random(x: ScoreInput):
+    """A floor: uniform random scores from (seed, layer)."""
+    B, G, T = x.shape
+    g = torch.Generator().manual_seed(x.settings.seed * 100003 + x.layer)
+    return torch.rand(1, G, T, generator=g, dtype=torch.float64).expand(B, G, T), none_protected(T)
+
+
+# ----------------------------------------------------------------------------- selection
+
+def score(name: str, x: ScoreInput):
+    """Scores (B, G, T) and protected (T,) of rule `name` (checked against the contract)."""
+    if name not in RULES:
+        raise UsageError(f"unknown rule {name!r}; choose from {', '.join(RULES)}")
+    sc, prot = RULES[name].score(x)
+    return sc.expand(*x.shape), prot
+
+
+def select(scores: torch.Tensor, budget: int, protected: torch.Tensor) -> torch.Tensor:
+    """Indices (B, G, budget) of the kept entries, ascending by position.
+
+    Protected entries first, then the highest scores; ties go to the later position (a stable
+    descending sort over the position-reversed scores)."""
+    B, G, S = scores.shape
+    sc = scores.double().masked_fill(protected.to(scores.device), float("inf"))
+    order = torch.sort(sc.flip(-1), dim=-1, descending=True, stable=True).indices  # (B, G, S)
+    keep = (S - 1) - order[..., :budget]                                   # (B, G, budget)
+    return keep.sort(-1).values
+
+
+# ----------------------------------------------------------------------------- decode forms
+
+@dataclass(frozen=True)
+class DecodeRule:
+    """What a layer does after each generated token once it holds more than its decode budget.
+
+    score(lc, last, settings) -> (scores (B, G, S), protected (S,)), where lc is the layer cache
+    (its `acc` holds the running sums when `acc_from` is set) and last (B, H, S) the newest query's
+    attention (None unless `uses_last`)."""
+    name: str
+    score: Optional[Callable]
+    uses_last: bool = False
+    acc_from: Optional[str] = None  # the prefill statistic lc.acc starts from (group mean, kept
+                                    # entries); then lc.acc += group mean of `last`, every step
+
+
+def _stream_decode(lc, last, s):       # rolling: drop the oldest non-sink (lowest position)
+    return lc.pos.double(), torch.arange(lc.size) < s.n_sink
+
+
+def _h2o_decode(lc, last, s):          # lowest running Σ_i A outside the recent r = w entries
+    return lc.acc, torch.arange(lc.size) >= lc.size - s.window
+
+
+def _tova_decode(lc, last, s):         # lowest attention of the current query, mean over H
+    B, G = lc.k.shape[:2]
+    return last.mean(1, keepdim=True).expand(B, G, -1), none_protected(lc.size)
+
+
+DECODE = {"append": DecodeRule("append", None),
+          "streaming": DecodeRule("streaming", _stream_decode),
+          "h2o": DecodeRule("h2o", _h2o_decode, uses_last=True, acc_from="colsum"),
+          "tova": DecodeRule("tova", _tova_decode, uses_last=True)}
+
+
+# ============================================================================= 3. the policy
 
 def prefill_rules() -> tuple:
     """"full" (keep every entry) and every registered rule, those registered at run time too."""
     return ("full",) + tuple(RULES)
 
 
-# ----------------------------------------------------------------------------- policy
+def pool() -> tuple:
+    """PolyKV's prefill patterns: every registered rule but the random floor, read when called
+    (a rule registered at run time joins the calibration pool)."""
+    return tuple(name for name, r in RULES.items() if r.pool)
+
+
+def decode_pool() -> tuple:
+    """Decode patterns that evict at a fixed budget (every decode form but append)."""
+    return tuple(name for name, d in DECODE.items() if d.score is not None)
+
+
+class Phase(NamedTuple):
+    """One phase of one layer: its rule and its budget (entries per KV head)."""
+    rule: str
+    budget: int
+
 
 @dataclass
 class LayerPolicy:
-    prefill: tuple    # (rule, budget)
-    decode: tuple     # (rule, budget); rule "append" grows without bound
+    prefill: Phase    # rule in prefill_rules()
+    decode: Phase     # rule in DECODE; "append" grows without bound
+
+    def __post_init__(self):
+        self.prefill, self.decode = Phase(*self.prefill), Phase(*self.decode)
 
 
 def largest_remainder(reals, total: int) -> list:
@@ -76,7 +474,7 @@ def pyramid_budgets(budget: int, T: int, n_layers: int, window: int = 32, beta: 
 
 
 @dataclass
-class Policy(methods.Method):
+class Policy(Method):
     """Per layer a prefill (rule, budget) and a decode (rule, budget); `budget` = average B."""
     layers: list
     budget: int
@@ -95,8 +493,8 @@ class Policy(methods.Method):
                     raise UsageError(f"layer {l}: unknown {phase} rule {rule!r}; choose from {', '.join(names)}")
                 if not isinstance(b, int) or b < 0:
                     raise UsageError(f"layer {l}: {phase} budget must be a non-negative integer, got {b!r}")
-            total = sum(getattr(lp, phase)[1] for lp in self.layers
-                        if getattr(lp, phase)[0] not in ("full", "append"))
+            total = sum(getattr(lp, phase).budget for lp in self.layers
+                        if getattr(lp, phase).rule not in ("full", "append"))
             cap = L * (self.budget + (self.allowance if phase == "decode" else 0))
             if total > cap:
                 raise UsageError(f"{phase} budgets sum to {total} > L·B = {L}·{self.budget}"
@@ -105,7 +503,7 @@ class Policy(methods.Method):
     @classmethod
     def uniform(cls, rule: str, budget: int, n_layers: int, decode: Optional[str] = None,
                 settings: RuleSettings = RuleSettings()) -> "Policy":
-        """Every layer: (rule, budget) at prefill and the rule's own decode form (SPEC §3)."""
+        """Every layer: (rule, budget) at prefill and the rule's own decode form."""
         if rule == "pyramidkv":
             raise UsageError("pyramidkv is SnapKV scoring with a layer schedule: use Policy.pyramid")
         if rule not in prefill_rules():
@@ -122,10 +520,10 @@ class Policy(methods.Method):
         return cls([LayerPolicy(("snapkv", b), ("append", b)) for b in bs], budget, settings)
 
     def with_allowance(self, n: int) -> "Policy":
-        """Equal memory (SPEC.md §6): every decode budget raised by n generated tokens, so a
+        """Equal memory (docs/protocol.md): every decode budget raised by n generated tokens, so a
         layer may grow by the generated tokens as an appending method does, and its decode rule
         evicts only beyond that. The paper's protocol is n = 0."""
-        layers = [LayerPolicy(lp.prefill, (lp.decode[0], lp.decode[1] + n)) for lp in self.layers]
+        layers = [LayerPolicy(lp.prefill, (lp.decode.rule, lp.decode.budget + n)) for lp in self.layers]
         return Policy(layers, self.budget, self.settings, dict(self.meta), self.allowance + n)
 
     def rescaled(self, budget: int) -> "Policy":
@@ -133,25 +531,25 @@ class Policy(methods.Method):
         L = len(self.layers)
         scaled = {}
         for phase in ("prefill", "decode"):
-            old = [getattr(lp, phase)[1] for lp in self.layers]
+            old = [getattr(lp, phase).budget for lp in self.layers]
             tot = sum(old) or 1
             scaled[phase] = largest_remainder([b * L * budget / tot for b in old], L * budget)
-        layers = [LayerPolicy((lp.prefill[0], scaled["prefill"][l]), (lp.decode[0], scaled["decode"][l]))
+        layers = [LayerPolicy((lp.prefill.rule, scaled["prefill"][l]), (lp.decode.rule, scaled["decode"][l]))
                   for l, lp in enumerate(self.layers)]
         return Policy(layers, budget, self.settings, dict(self.meta))
 
     # -- the method interface ----------------------------------------------------------------
-    def needs(self, model) -> methods.Needs:
+    def needs(self, model) -> Needs:
         """Per layer, what its prefill rule scores with and what its decode rule starts from."""
         if len(self.layers) != model.config.n_layers:
             raise UsageError(f"policy has {len(self.layers)} layers, the model has {model.config.n_layers}")
         per_layer = tuple(
-            (RULES[lp.prefill[0]].needs if lp.prefill[0] in RULES else frozenset())
-            | ({DECODE[lp.decode[0]].acc_from} if DECODE[lp.decode[0]].acc_from else frozenset())
+            (RULES[lp.prefill.rule].needs if lp.prefill.rule in RULES else frozenset())
+            | ({DECODE[lp.decode.rule].acc_from} if DECODE[lp.decode.rule].acc_from else frozenset())
             for lp in self.layers)
-        return methods.Needs(per_layer, self.settings.window, self.settings.chunk)
+        return Needs(per_layer, self.settings.window, self.settings.chunk)
 
-    def compress(self, model, full: Cache, obs: methods.Observation) -> Cache:
+    def compress(self, model, full: Cache, obs: Observation) -> Cache:
         """A new cache: layer l keeps min(b_l, T) entries per KV head chosen by its rule.
 
         `full` is left untouched, so several methods can share one FullKV prefill."""
@@ -163,10 +561,10 @@ class Policy(methods.Method):
                 idx = torch.arange(T, device=lc.k.device).expand(B, G, T)
                 kept = lc        # nothing evicted: share the tensors (appends never overwrite them)
             else:
-                sc, prot = rules.score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings))
+                sc, prot = score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings))
                 idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)    # (B, G, b)
                 kept = lc.gather(idx)
-            start = DECODE[lp.decode[0]].acc_from      # a decode rule's running sums, kept entries
+            start = DECODE[lp.decode.rule].acc_from      # a decode rule's running sums, kept entries
             if start:
                 st = obs.stats[l][start]
                 kept = replace(kept, acc=group_mean(st, G).gather(2, idx.to(st.device)))
@@ -176,7 +574,7 @@ class Policy(methods.Method):
     @property
     def decoder(self) -> Optional[Hooks]:
         """None when every layer appends; else hooks evicting back to the decode budgets."""
-        if all(lp.decode[0] == "append" for lp in self.layers):
+        if all(lp.decode.rule == "append" for lp in self.layers):
             return None
         return Hooks(cache_update=self.decode_update)
 
@@ -213,8 +611,7 @@ class Policy(methods.Method):
     def to_json(self) -> dict:
         return {"format": "polykv-policy/1", "budget": self.budget, **self.meta,
                 "settings": self.settings.__dict__,
-                "layers": [{"prefill": {"rule": lp.prefill[0], "budget": lp.prefill[1]},
-                            "decode": {"rule": lp.decode[0], "budget": lp.decode[1]}}
+                "layers": [{"prefill": lp.prefill._asdict(), "decode": lp.decode._asdict()}
                            for lp in self.layers]}
 
     def save(self, path):
@@ -240,26 +637,18 @@ class Policy(methods.Method):
 
 
 @dataclass
-class Pyramid(methods.Method):
+class Pyramid(Method):
     """PyramidKV: SnapKV scoring, per-layer budgets decreasing with depth (`pyramid_budgets`,
     which depend on the prompt length T, so the policy is made at compression time); append."""
     budget: int
     settings: RuleSettings = field(default_factory=RuleSettings)
 
-    def needs(self, model) -> methods.Needs:
+    def needs(self, model) -> Needs:
         return Policy.uniform("snapkv", self.budget, model.config.n_layers, "append", self.settings).needs(model)
 
-    def compress(self, model, full: Cache, obs: methods.Observation) -> Cache:
+    def compress(self, model, full: Cache, obs: Observation) -> Cache:
         T = full.layers[0].k.shape[2]
         return Policy.pyramid(self.budget, model.config.n_layers, T, self.settings).compress(model, full, obs)
-
-
-def write_atomic(path, text: str):
-    """Write text to path through a temporary file in the same folder and a rename."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 @torch.no_grad()

@@ -12,11 +12,6 @@ from __future__ import annotations
 
 import numpy as np
 
-import rules
-
-# the uniform baselines a method is compared with: every registered rule but the random floor,
-# and PyramidKV
-BASELINES = tuple(n for n, r in rules.RULES.items() if r.pool) + ("pyramidkv",)
 LOWER_IS_BETTER = {"kl", "dnll"}
 HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / LongBench score
 N_BOOT, SEED = 2000, 0
@@ -56,10 +51,11 @@ def interval(x: np.ndarray) -> tuple:
     return float(lo), float(hi)
 
 
-def summarize(rows: list, names, budgets) -> list:
+def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
     """Flat summary rows {method, budget, task, metric, value, n, ci_low, ci_high}; a method
-    that is not the best uniform rule of its (budget, task, metric) also gets `vs_best`
-    {rule, diff, ci_low, ci_high, tie}; PolyKV rows get task `gap` (gap recovered)."""
+    that is not the best of the `baselines` (the standalone rules, evaluate.baselines()) at its
+    (budget, task, metric) also gets `vs_best` {rule, diff, ci_low, ci_high, tie}; each of
+    `gap_methods` (the PolyKV rows) gets task `gap` (gap recovered)."""
     acc = values(rows)
     out = []
     groups = sorted({k[1:] for k in acc})
@@ -72,7 +68,7 @@ def summarize(rows: list, names, budgets) -> list:
         idx = resample_index(len(prompts))
         boot = {m: x[idx].mean(1) for m, x in X.items()}                                  # (N_BOOT,)
         sign = -1 if metric in LOWER_IS_BETTER else 1
-        base = [m for m in X if m in BASELINES]
+        base = [m for m in X if m in baselines]
         best = max(base, key=lambda m: sign * X[m].mean()) if base and task not in ("memory", "time") else None
         for m, x in X.items():
             lo, hi = interval(boot[m])
@@ -86,14 +82,15 @@ def summarize(rows: list, names, budgets) -> list:
             out.append(row)
         headline = (task, metric) in HEADLINE or task not in ("fidelity", "answer", "memory", "time")
         if best is not None and "full" in X and headline:
-            for m in [m for m in X if m.startswith("polykv")]:
+            for m in [m for m in X if m in gap_methods]:
                 out.append(gap_row(m, budget, task, metric, X, boot, best, len(prompts)))
     order = {n: i for i, n in enumerate(names)}
     return sorted(out, key=lambda d: (d["budget"], order.get(d["method"], 99), d["task"], d["metric"]))
 
 
 def gap_row(m, budget, task, metric, X, boot, best, n) -> dict:
-    """Gap recovered = (method − best uniform) / (FullKV − best uniform) (SPEC §6), with its
+    """Gap recovered = (method − best uniform) / (FullKV − best uniform) (the PolyKV paper's
+    headline measure), with its
     paired interval (the best uniform rule is fixed by the point estimate)."""
     den = X["full"].mean() - X[best].mean()
     row = {"method": m, "budget": budget, "task": "gap", "metric": f"{task}_{metric}", "best_uniform": best, "n": n}
@@ -206,13 +203,40 @@ def progress(rows, item, names, budget, i, n, eta) -> str:
             f"{metric}@{budget}: " + ", ".join(parts) + f" | ETA {eta / 60:.1f} min")
 
 
-def plot(summary, names, out):
+def styles(names, family) -> dict:
+    """name -> (colour, marker, line style): every method its own colour and marker; a family
+    (family(name) -> "polykv", "gracekv" or anything else) shares a hue, shades of blue for
+    PolyKV rows and of red for GraceKV rows; the other methods take distinct colours from a
+    qualitative palette without blue or red; FullKV is black."""
+    import matplotlib
+    hues = {"polykv": matplotlib.colormaps["Blues"], "gracekv": matplotlib.colormaps["Reds"]}
+    others = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
+              "tab:olive", "tab:cyan", "gold", "lime", "teal", "indigo", "darkkhaki", "peru"]
+    markers = "osD^vP*Xh<>pd8H+x"
+    fam = {n: family(n) for n in names}
+    out, k = {}, 0
+    for i, n in enumerate(names):
+        f = fam[n]
+        if n == "full":
+            colour = "black"
+        elif f in hues:
+            members = [m for m in names if fam[m] == f]
+            j = members.index(n)
+            colour = hues[f](0.9 - 0.55 * j / max(1, len(members) - 1))     # dark -> light
+        else:
+            colour, k = others[k % len(others)], k + 1
+        out[n] = (colour, markers[i % len(markers)], "-" if f in hues else "--")
+    return out
+
+
+def plot(summary, names, out, family=lambda n: n.split("-")[0]):
     """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget, per method,
-    with the 95 % interval as a band. evaluate.py checks for matplotlib before the run."""
+    with the 95 % interval as a band (`styles`). evaluate.py checks for matplotlib first."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    style = styles(list(names), family)
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for ax, (task, metric, label) in zip(axes, [("fidelity", "kl", "fidelity KL (lower is better)"),
                                                  ("answer", "dnll", "answer ΔNLL (lower is better)")]):
         for n in names:
@@ -220,14 +244,15 @@ def plot(summary, names, out):
                          if d["method"] == n and d["task"] == task and d["metric"] == metric)
             if pts and n != "full":
                 b, v, lo, hi = zip(*pts)
-                line, = ax.plot(b, v, marker="o", label=n)
-                ax.fill_between(b, lo, hi, color=line.get_color(), alpha=0.15)
+                colour, marker, ls = style[n]
+                ax.plot(b, v, marker=marker, ls=ls, color=colour, label=n)
+                ax.fill_between(b, lo, hi, color=colour, alpha=0.12)
         ax.set_xscale("log", base=2)
         if metric == "kl":
             ax.set_yscale("log")
         ax.set_xlabel("budget (entries per layer and KV head)")
         ax.set_title(label)
-    axes[0].legend(fontsize=7)
+    axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "budget_vs_score.png", dpi=120)
     print(f"plot: {out / 'budget_vs_score.png'}")

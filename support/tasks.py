@@ -35,7 +35,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-from errors import UsageError
+from support.errors import UsageError
 
 
 @dataclass

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from errors import UsageError
-from tasks import Sample
+from support.errors import UsageError
+from support.tasks import Sample
 
 
 # THUDM/LongBench LongBench/config/dataset2prompt.json (English datasets), verbatim

@@ -136,28 +136,3 @@ def score(sample, pred: str) -> float:
         pred = pred.lstrip("\n").split("\n")[0]
     return 100.0 * max((fn(pred, gt, all_classes=sample.all_classes or ()) for gt in sample.answers),
                        default=0.0)
-
-
-# ----------------------------------------------------------------------------- where an answer ends
-
-def stop_ids(tok, sample) -> set:
-    """Where greedy decoding stops: EOS, and for samsum the newline token too (LongBench
-    pred.py: eos_token_id=[eos, encode("\\n")[-1]])."""
-    if sample.stop_at_newline:
-        return set(tok.eos_ids) | {tok.encode("\n", add_special_tokens=False)[-1]}
-    return set(tok.eos_ids)
-
-
-def answer_done(tok, sample):
-    """When a greedy answer is complete, before the token cap: for the tasks scored on their
-    first line (RULER's needles, LongBench's FIRST_LINE_TASKS), once a newline follows text
-    other than whitespace; None (run to the cap or EOS) for the others.
-
-    LongBench's first-line tasks: exact (the scored line is complete at that newline).
-    RULER: our choice — its scorer (scripts/eval/evaluate.py postprocess_pred + string_match)
-    searches the whole prediction; the answers are one short line, and on the reference run's
-    1,280 needle predictions no answer appeared after the first non-blank line. The cap stays
-    RULER's 128 tokens (24 on CPU, evaluate.py --max-new-tokens)."""
-    if not (sample.metric.startswith("string_match") or sample.task in FIRST_LINE_TASKS):
-        return None
-    return lambda ids: "\n" in tok.decode(ids).lstrip()

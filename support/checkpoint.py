@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from typing import Optional
 
-from errors import UsageError
+from support.errors import UsageError
 
 
 def default_model_dir() -> Path:
@@ -25,7 +25,7 @@ def default_model_dir() -> Path:
 def folder(path=None) -> Path:
     """The checked folder of a checkpoint; None = the embedded default (converted on first use)."""
     if path is None:
-        from embedded import ensure_default_model
+        from support.embedded import ensure_default_model
         path = ensure_default_model(default_model_dir())
     path = Path(path)
     if not path.is_dir():

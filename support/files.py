@@ -1,0 +1,36 @@
+"""Files a later run reads: written atomically, read back tolerating a run killed mid-line."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+
+def write_atomic(path, text: str):
+    """Write text to path through a temporary file in the same folder and a rename, so that a
+    later run never reads a half-written file."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def read_rows(jsonl: Path) -> list:
+    """The finished rows of a JSONL file. A run killed while writing (power loss, OOM killer)
+    leaves a torn last line: it is dropped with a one-line warning and cut from the file, so the
+    rerun appends after the last complete row."""
+    if not jsonl.exists():
+        return []
+    data = jsonl.read_bytes()
+    keep = data[:data.rfind(b"\n") + 1]                 # complete lines end with a newline
+    rows = []
+    for line in keep.decode().splitlines():
+        if line.strip():
+            rows.append(json.loads(line))
+    if len(keep) < len(data):
+        print(f"warning: {jsonl}: dropped a torn last line ({len(data) - len(keep)} bytes) "
+              "from an interrupted run; it is recomputed", file=sys.stderr, flush=True)
+        with open(jsonl, "r+b") as f:
+            f.truncate(len(keep))
+    return rows
