@@ -259,7 +259,7 @@ def answer_done(tok, sample):
     searches the whole prediction; the answers are one short line, and on the reference run's
     1,280 needle predictions no answer appeared after the first non-blank line. The cap stays
     RULER's 128 tokens (24 on CPU, evaluate.py --max-new-tokens)."""
-    if not (sample.metric.startswith("string_match") or sample.task in FIRST_LINE_TASKS):
+    if not (sample.metric.startswith("string_match") or sample.task in metrics.FIRST_LINE_TASKS):
         return None
     return lambda ids: "\n" in tok.decode(ids).lstrip()
 

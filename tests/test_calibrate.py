@@ -11,7 +11,8 @@ from hypothesis import given, settings, strategies as st
 import calibrate as C
 import model as M
 import polykv as P
-from model import Config, Llama, UsageError
+from model import UsageError
+from tiny import tiny as tiny_llama
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -26,15 +27,7 @@ SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=7)
 T, N, B = 40, 8, 10                     # prompt, continuation, budget of the tiny probes
 
 
-def tiny(seed=0, L=3, bias=False):
-    torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, dim=32, n_layers=L, n_heads=4, n_kv_heads=2, head_dim=8,
-                 hidden_dim=48, max_seq_len=256, tie_embeddings=False, attention_bias=bias, eos_ids=(0,))
-    m = Llama(cfg).double().eval()
-    with torch.no_grad():   # larger q weights: peaked attention, so rules disagree
-        for blk in m.layers:
-            blk.self_attn.q_proj.weight.mul_(4)
-    return m
+tiny = tiny_llama
 
 
 def texts(seed, n=2, lo=1, hi=50):
@@ -154,9 +147,9 @@ def test_signals_equal_naive_probes(seed):
     assert sig["ppl_full"] == pytest.approx(ppl_full, abs=tol)
     for l in range(L):
         assert sig["entropy"][l] == pytest.approx(sum(r[1][l] for r in refs) / len(refs), rel=1e-9)
-    chosen = C.best_rules(sig["prefill"], C.POOL, "cosine")
-    assert chosen == [max(C.POOL, key=lambda r: (sig["prefill"]["cosine"][r][l], -C.POOL.index(r))) for l in range(L)]
-    for r in C.POOL:                          # uniform baselines: a fresh prefill + model.decode
+    chosen = C.best_rules(sig["prefill"], P.pool(), "cosine")
+    assert chosen == [max(P.pool(), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool().index(r))) for l in range(L)]
+    for r in P.pool():                          # uniform baselines: a fresh prefill + model.decode
         nll = 0.0
         for p, c in pairs:
             uni = P.Policy.uniform(r, B, L, settings=SET)
@@ -165,7 +158,7 @@ def test_signals_equal_naive_probes(seed):
         assert sig["uniform_dppl"][r] == pytest.approx(ppl(nll) - ppl_full, abs=tol)
     best = C.build(sig, B, settings=SET, cap=T).meta["best_uniform"]
     assert sig["uniform_dppl"][best] == min(sig["uniform_dppl"].values())
-    for phase, pool in (("prefill", C.POOL), ("decode", C.DECODE_POOL)):
+    for phase, pool in (("prefill", P.pool()), ("decode", P.decode_pool())):
         for l in range(L):
             for r in pool:
                 pre, dec = ((r, B), ("append", B)) if phase == "prefill" else ((chosen[l], B), (r, B))
@@ -218,30 +211,30 @@ def test_planted_sink_layer_chooses_a_rule_that_keeps_position_0(seed):
     cos = pol.meta["signals"]["prefill"]["cosine"]
     ref = C.reference(m, torch.tensor([tx[0][0]]), torch.tensor([tx[0][1]]), SET)
     keeps = {r: bool((C.probe_policy(3, layer, (r, B), ("append", B), B, SET).compress(m, ref["full"], ref["obs"])
-                      .layers[layer].pos == 0).any()) for r in C.POOL}
+                      .layers[layer].pos == 0).any()) for r in P.pool()}
     assert keeps["streaming"] and not keeps["h2o"] and not keeps["tova"]      # the plant works
     assert keeps[pol.layers[layer].prefill[0]]
-    assert min(cos[r][layer] for r in C.POOL if keeps[r]) > max(cos[r][layer] for r in C.POOL if not keeps[r])
+    assert min(cos[r][layer] for r in P.pool() if keeps[r]) > max(cos[r][layer] for r in P.pool() if not keeps[r])
 
 
 # ----------------------------------------------------------------------------- construction
 
 def fake_signals(L, best, best_dec, entropy=None):
-    pre = {r: [0.9 if r == best else 0.5] * L for r in C.POOL}
-    dec = {r: [0.9 if r == best_dec else 0.5] * L for r in C.DECODE_POOL}
-    dp = {r: [0.0] * L for r in C.POOL}
-    dd = {r: [0.0] * L for r in C.DECODE_POOL}
+    pre = {r: [0.9 if r == best else 0.5] * L for r in P.pool()}
+    dec = {r: [0.9 if r == best_dec else 0.5] * L for r in P.decode_pool()}
+    dp = {r: [0.0] * L for r in P.pool()}
+    dd = {r: [0.0] * L for r in P.decode_pool()}
     return {"entropy": entropy or [2.0] * L, "ppl_full": 3.0,
             "prefill": {"cosine": pre, "dppl": dp}, "decode": {"cosine": dec, "dppl": dd}}
 
 
-@pytest.mark.parametrize("rule", C.POOL)
+@pytest.mark.parametrize("rule", P.pool())
 def test_one_rule_uniform_budgets_equals_uniform_policy(rule):
     m = tiny(3)
     L = m.config.n_layers
     tokens = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(3))
     uni = P.Policy.uniform(rule, B, L, settings=SET)
-    dec = uni.layers[0].decode[0] if rule in C.DECODE_POOL else "tova"
+    dec = uni.layers[0].decode[0] if rule in P.decode_pool() else "tova"
     pol = C.build(fake_signals(L, rule, dec), B, settings=SET, cap=T)
     assert [lp.prefill for lp in pol.layers] == [lp.prefill for lp in uni.layers]
     if dec != uni.layers[0].decode[0]:        # PolyKV's decode pool has no append: compare so

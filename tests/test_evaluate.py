@@ -9,7 +9,7 @@ import torch
 
 import evaluate as E
 import model as M
-import report
+from support import report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -118,7 +118,7 @@ def test_paired_bootstrap_known_cases():
           "polykv": lambda i: spread(i) - 0.02}
     score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 50 * (i % 2), "polykv": lambda i: 75}
     names = list(kl)
-    summary = report.summarize(fake_rows(kl, score), names, [64])
+    summary = report.summarize(fake_rows(kl, score), names, [64], E.baselines(), ["polykv"])
     get = {(d["method"], d["task"], d["metric"]): d for d in summary}
     sn, tv, pk = (get[(m, "fidelity", "kl")] for m in ("snapkv", "tova", "polykv"))
     assert sn["value"] == pytest.approx(0.225) and sn["ci_low"] < 0.225 < sn["ci_high"]
@@ -151,22 +151,22 @@ def test_torn_last_line_is_dropped_and_the_run_resumes(tmp_path, capsys):
 def test_policy_and_summary_writes_are_atomic(tmp_path, monkeypatch):
     """A write killed before its rename leaves the old file whole (no half-written JSON)."""
     import polykv as P
+    from support import files
     f = tmp_path / "policy.json"
     pol = P.Policy.uniform("tova", 8, 2)
     pol.save(f)
     before = f.read_text()
-    real = P.os.replace
-    monkeypatch.setattr(P.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
+    real = files.os.replace
+    monkeypatch.setattr(files.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
         P.Policy.uniform("h2o", 8, 2).save(f)
-    monkeypatch.setattr(P.os, "replace", real)
+    monkeypatch.setattr(files.os, "replace", real)
     assert f.read_text() == before and P.Policy.load(f).layers == pol.layers
 
 
 def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
     """An unpadded cache allocates exactly its entries; under --memory equal an appending
     method (SnapKV) and an evicting one (TOVA) reach the same peak while decoding."""
-    import methods as MT
     import polykv as P
     m, _ = M.load(tiny_dir, device="cpu", dtype=torch.float64)
     x = torch.randint(0, 200, (1, 60), generator=torch.Generator().manual_seed(0))
@@ -174,7 +174,7 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
     L, G = m.config.n_layers, m.config.n_kv_heads
     snap = P.Policy.uniform("snapkv", 16, L).with_allowance(9)
     tova = P.Policy.uniform("tova", 16, L).with_allowance(9)
-    full, obs = MT.observe_for(m, x, [snap, tova])
+    full, obs = P.observe_for(m, x, [snap, tova])
     peaks = []
     for pol in (snap, tova):
         cache = pol.compress(m, full, obs)
@@ -224,7 +224,7 @@ def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
 def test_report_cli_reprints_a_subset(tmp_path, capsys):
     kl = {"full": lambda i: 0.0, "snapkv": lambda i: 0.1 + 0.01 * i, "tova": lambda i: 0.2}
     score = {m: (lambda i: 50) for m in kl}
-    summary = report.summarize(fake_rows(kl, score), list(kl), [64])
+    summary = report.summarize(fake_rows(kl, score), list(kl), [64], E.baselines())
     f = tmp_path / "summary.json"
     f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
                              "rows": summary}))
@@ -247,7 +247,7 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     assert lines[2].startswith("B = 64, niah_single_1 minus gracekv") and "gracekv-hbar +0 [+0, +0] tie" in lines[2]
     f = tmp_path / "summary.json"
     f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
-                             "rows": report.summarize(rows, list(kl), [64])}))
+                             "rows": report.summarize(rows, list(kl), [64], E.baselines())}))
     with pytest.raises(SystemExit, match="needs the per-sample rows"):
         report.main([str(f), "--versus", "gracekv"])
     (tmp_path / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))

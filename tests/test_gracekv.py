@@ -1,4 +1,5 @@
 """GraceKV against naive recomputations and exact invariants (tiny random LLaMA, fp64)."""
+import functools
 import math
 
 import pytest
@@ -6,23 +7,14 @@ import torch
 from hypothesis import given, strategies as st
 
 import gracekv as GK
-import prototypes as PR
 import model as M
-from model import Config, Llama
+from tiny import tiny as tiny_llama
 
 SET = GK.Settings(window=4, slot_min=3, slot_max=8, bend_width=2, prefetch=3)
 CHUNK = 5                    # observation chunk: several chunks on tiny prompts
 
 
-def tiny(seed=0, L=2, H=4, G=2):
-    torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, dim=32, n_layers=L, n_heads=H, n_kv_heads=G, head_dim=8,
-                 hidden_dim=48, max_seq_len=256, tie_embeddings=False, eos_ids=(0,))
-    m = Llama(cfg).double().eval()
-    with torch.no_grad():   # larger q weights: peaked attention, prototypes far from exact
-        for blk in m.layers:
-            blk.self_attn.q_proj.weight.mul_(4)
-    return m
+tiny = functools.partial(tiny_llama, L=2)
 
 
 def tokens(seed, T):
@@ -58,7 +50,7 @@ def test_unrotate_rerotate_is_identity(seed):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(5, 7, 64, generator=g, dtype=torch.float64) * 10
     pos = torch.randint(0, 8192, (5, 7), generator=g)
-    inv = M.rope_inv_freq(Config(head_dim=64))
+    inv = M.rope_inv_freq(M.Config(head_dim=64))
     back = M.apply_rope(M.apply_rope(x, -pos, inv), pos, inv)
     torch.testing.assert_close(back, x, rtol=0, atol=1e-11)
 
@@ -136,17 +128,17 @@ def naive_node(cx, j, toks, s):
     kbar = kr.mean(0)
     p = torch.tensor(toks, dtype=torch.float64).mean().round()
     key = M.apply_rope(kbar, p, cx.inv_freq)
-    if s.prototype_key == "post":
+    if s.key is GK.key_post:
         key = M.apply_rope(kr, torch.tensor(toks), cx.inv_freq).mean(0)       # mean post-RoPE key
     hb = kbar.norm() / (kr.norm(dim=-1).mean() + s.eps)
     mm = min(max(len(toks) * hb.item() ** 2, 1.0), len(toks))
     logit = cx.q[j] @ key / math.sqrt(key.shape[-1]) - cx.c[j]               # (P,) q·k̃/√D − c
-    if s.multiplicity == "n":
+    if s.multiplicity is GK.multiplicity_n:
         mm = len(toks)
-    elif s.multiplicity == "fit":     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
+    elif s.multiplicity is GK.multiplicity_fit:     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
         lZ = cx.lg[j, toks].exp().sum(0).log()
         fit = float((torch.softmax(lZ, 0) * (lZ - logit)).sum())
-        mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + s.fit_slack))
+        mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + GK.FIT_SLACK))
     w = R + s.beta * cx.R[j, :cx.Tc].mean()
     val = (w[:, None] * v).sum(0) / w.sum()
     lg = cx.lg[j, toks]                                                       # (n, P) log A
@@ -161,8 +153,9 @@ def naive_node(cx, j, toks, s):
                 Ddrop=float((wq * Dd).sum()), R=float(R.sum()))
 
 
-VARIANTS = [{}, {"prototype_key": "post", "multiplicity": "fit"}, {"multiplicity": "n"},
-            {"prototype_key": "post", "multiplicity": "fit", "lookahead": True, "unit_relevance": 0.5}]
+VARIANTS = [{}, {"key": GK.key_post, "multiplicity": GK.multiplicity_fit}, {"multiplicity": GK.multiplicity_n},
+            {"key": GK.key_post, "multiplicity": GK.multiplicity_fit, "rank_adds": GK.rank_by_gain,
+             "unit_rows": GK.half_own_row}]
 
 
 @given(st.integers(16, 40), st.integers(0, 3), st.sampled_from(VARIANTS))
@@ -175,7 +168,7 @@ def test_prototype_and_distortion_equal_naive(T, seed, over):
     u = torch.randint(U, (12,), generator=g)
     a = torch.randint(Tc - 1, (12,), generator=g)
     b = torch.minimum(a + 1 + torch.randint(8, (12,), generator=g), torch.tensor(Tc))
-    got = PR.node_stats(cx.units, u, a, b)
+    got = GK.node_stats(cx.units, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
         want = naive_node(cx.units, int(u[i]), toks, s)
@@ -193,11 +186,11 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     mu = torch.randn(3, 1, 8, dtype=torch.float64)
     mu2 = mu.pow(2).sum(-1)                                                   # prototype = exact: ṽ = μ
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
-    D, Dd = PR.distortion(logZ, mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
+    D, Dd = GK.distortion(logZ, mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
     assert torch.all(D.abs() < 1e-12) and torch.all(Dd > 1.9)
     for big in (1e4, -1e4, 1e30):             # log Z̃ − log Z far beyond exp's range
         lz = torch.tensor([[0.0, -1e4], [big, 5.0]])
-        D, Dd = PR.distortion(lz, torch.rand(2, 2), torch.randn(2, 2), lz + big, torch.rand(2), GK.Settings())
+        D, Dd = GK.distortion(lz, torch.rand(2, 2), torch.randn(2, 2), lz + big, torch.rand(2), GK.Settings())
         assert torch.isfinite(D).all() and torch.isfinite(Dd).all()
 
 
@@ -208,7 +201,7 @@ def replay(plan, B_alloc):
     allocated slots (a layer's heads padded to its longest: entries over that cap cost G slots
     each, under it none); a dropped action was not affordable when dropped."""
     added_roots, frontier, spent, gone = set(), set(), 0, set()
-    n, unit, G = plan.nodes.n, plan.nodes.unit, plan.group
+    n, unit, G = [v.n for v in plan.nodes], [v.unit for v in plan.nodes], plan.group
     have = plan.floor.sum(1).tolist()                                          # entries per unit
     cap = lambda u: max(have[u // G * G:(u // G + 1) * G])
     slots = lambda u, k: G * max(0, have[u] + k - cap(u))                      # naive, from scratch
@@ -217,15 +210,15 @@ def replay(plan, B_alloc):
         drops.setdefault(i, []).append((kind, v))
     for i, (kind, v, gain, cost) in enumerate(plan.steps + [(None,) * 4]):
         for dk, dv in drops.get(i, []):
-            assert slots(unit[dv], 1 if dk == "add" else plan.split[dv][1]) > B_alloc - spent
+            assert slots(unit[dv], 1 if dk == "add" else plan.split[dv].cost) > B_alloc - spent
             gone.add(dv)
         if kind is None:
             break
         rank = plan.add_rank[v] if kind == "add" else gain / cost              # what the heap compared
         avail = [plan.add_rank[r] for r in plan.add_gain if r not in added_roots and r not in gone
                  and slots(unit[r], 1) <= B_alloc - spent]
-        avail += [plan.split[f][0] / plan.split[f][1] for f in frontier if n[f] > 1 and f not in gone
-                  and slots(unit[f], plan.split[f][1]) <= B_alloc - spent]
+        avail += [plan.split[f].gain / plan.split[f].cost for f in frontier if n[f] > 1 and f not in gone
+                  and slots(unit[f], plan.split[f].cost) <= B_alloc - spent]
         assert rank >= max(avail) and slots(unit[v], cost) <= B_alloc - spent
         if kind == "add":
             assert v in plan.add_gain and v not in added_roots and cost == 1
@@ -233,9 +226,9 @@ def replay(plan, B_alloc):
             frontier.add(v)
         else:
             assert v in frontier and n[v] > 1                                # split only what was added
-            assert (gain, cost) == plan.split[v][:2] and cost == len(plan.split[v][2]) - 1
+            assert (gain, cost) == plan.split[v][:2] and cost == len(plan.split[v].children) - 1
             frontier.remove(v)
-            frontier.update(plan.split[v][2])
+            frontier.update(plan.split[v].children)
         spent += slots(unit[v], cost)
         have[unit[v]] += cost
     assert frontier == plan.frontier and spent <= B_alloc
@@ -266,20 +259,20 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
         f = plan.floor[l * G:(l + 1) * G].sum(1)
         assert len(set(f.tolist())) == 1
     assert cache.entries() == U * r + n_floor + len(frontier)
-    have = [int(plan.floor[j].sum()) + sum(plan.nodes.unit[i] == j for i in frontier) for j in range(U)]
+    have = [int(plan.floor[j].sum()) + sum(plan.nodes[i].unit == j for i in frontier) for j in range(U)]
     caps = [max(have[l * G:(l + 1) * G]) for l in range(L)]
     assert cache.allocated() == U * r + G * sum(caps)                          # the slots Slots counted
-    everything = all(plan.nodes.n[i] == 1 for i in frontier) and set(plan.add_gain) <= {
+    everything = all(plan.nodes[i].n == 1 for i in frontier) and set(plan.add_gain) <= {
         i for k, i, *_ in plan.steps if k == "add"}
     # the greedy stops with fewer than G slots left (no layer can grow) or nothing left to do;
     # a head still under its layer's cap (padding) has nothing left: every root added, all leaves
     assert U * B - cache.allocated() < G or everything
     for j in range(U):
         if have[j] < caps[j // G]:
-            assert all(plan.nodes.n[i] == 1 for i in frontier if plan.nodes.unit[i] == j)
-            assert all(i in frontier or plan.nodes.unit[i] != j for i in plan.add_gain if plan.nodes.n[i] == 1) \
-                and {i for i in plan.add_gain if plan.nodes.unit[i] == j} <= {i for k, i, *_ in plan.steps if k == "add"}
-    spans = lambda p: [(k, p.nodes.unit[v], p.nodes.a[v], p.nodes.b[v], c)
+            assert all(plan.nodes[i].n == 1 for i in frontier if plan.nodes[i].unit == j)
+            assert all(i in frontier or plan.nodes[i].unit != j for i in plan.add_gain if plan.nodes[i].n == 1) \
+                and {i for i in plan.add_gain if plan.nodes[i].unit == j} <= {i for k, i, *_ in plan.steps if k == "add"}
+    spans = lambda p: [(k, p.nodes[v].unit, p.nodes[v].a, p.nodes[v].b, c)
                        for k, v, g, c in p.steps]
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
                        return_plan=True)[1]
@@ -290,24 +283,24 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     nd, Tc = plan.nodes, T - r
     for j in range(U):
         lc, g = cache.layers[j // G], j % G
-        mine = [i for i in frontier if nd.unit[i] == j]
-        leaves = [nd.a[i] for i in mine if nd.n[i] == 1]
+        mine = [i for i in frontier if nd[i].unit == j]
+        leaves = [nd[i].a for i in mine if nd[i].n == 1]
         # every context token is held at most once: by the floor, a leaf, or one prototype (its
         # span minus the floor and the leaves punched out of it, exactly n tokens)
         held = plan.floor[j].long().clone()
         held[leaves] += 1
         for i in mine:
-            if nd.n[i] > 1:
+            if nd[i].n > 1:
                 inside = torch.zeros(Tc, dtype=torch.bool)
-                inside[nd.a[i]:nd.b[i]] = True
+                inside[nd[i].a:nd[i].b] = True
                 inside &= ~plan.floor[j]
                 inside[leaves] = False
-                assert int(inside.sum()) == nd.n[i]
+                assert int(inside.sum()) == nd[i].n
                 held += inside.long()
         assert int(held.max()) <= 1
         pic = "".join(line.split("|")[1] for line in GK.picture(plan, j, Tc))
         assert len(pic) == Tc and pic.count("F") == int(plan.floor[j].sum()) and pic.count("x") == len(leaves)
-        assert sum(c.isalpha() and c not in "Fx" for c in pic) == sum(nd.n[i] for i in mine if nd.n[i] > 1)
+        assert sum(c.isalpha() and c not in "Fx" for c in pic) == sum(nd[i].n for i in mine if nd[i].n > 1)
         exact = [t for t in range(Tc) if plan.floor[j, t]] + list(range(Tc, T)) + leaves
         assert int((lc.pos[0, g] >= 0).sum()) == len(mine) + int(plan.floor[j].sum()) + r
         for t in exact:                                                       # bit for bit
@@ -336,7 +329,7 @@ def test_greedy_to_all_leaves_is_fullkv(T, seed):
     cx = GK.context(m, full, stats, s.window, s)
     plan = GK.allocate(cx, cx.units.kr.shape[0] * cx.Tc)
     replay(plan, plan.B_alloc)
-    assert all(plan.nodes.n[i] == 1 for i in plan.frontier)
+    assert all(plan.nodes[i].n == 1 for i in plan.frontier)
     assert torch.equal(M.decode(m, x[:, T:], GK.assemble(cx, full, plan)), want)
 
 
@@ -368,7 +361,7 @@ def test_embedded_generate(embedded):
 def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     """prototype_key = "post": for any query (at any later position) the prototype's logit is
     exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t (SPEC §5)."""
-    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "prototype_key": "post"})
+    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "key": GK.key_post})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cx = GK.context(m, full, stats, s.window, s)
     g = torch.Generator().manual_seed(seed)
@@ -376,7 +369,7 @@ def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     u = torch.randint(U, (10,), generator=g)
     a = torch.randint(Tc - 1, (10,), generator=g)
     b = torch.minimum(a + 2 + torch.randint(8, (10,), generator=g), torch.tensor(Tc))
-    key = PR.node_stats(cx.units, u, a, b)["key"]                              # (10, D)
+    key = GK.node_stats(cx.units, u, a, b)["key"]                              # (10, D)
     for i in range(10):
         k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]   # (n, D) post-RoPE
         q = M.apply_rope(torch.randn(5, k.shape[1], generator=g, dtype=torch.float64),
@@ -395,11 +388,10 @@ def test_budget_within_the_window_keeps_the_sink():
 
 @given(st.lists(st.floats(-5, 5), max_size=40), st.integers(0, 50))
 def test_peek_is_nsmallest_and_leaves_the_pop_order(gains, k):
-    """budgetflow.peek: the k best heap entries, and the heap pops in the same order after it."""
+    """gracekv.peek: the k best heap entries, and the heap pops in the same order after it."""
     import heapq
-    from budgetflow import peek
     heap = [(-g, i, "add", i) for i, g in enumerate(gains)]
     heapq.heapify(heap)
     twin = list(heap)
-    assert peek(heap, k) == heapq.nsmallest(k, twin)
+    assert GK.peek(heap, k) == heapq.nsmallest(k, twin)
     assert [heapq.heappop(heap) for _ in range(len(heap))] == sorted(twin)

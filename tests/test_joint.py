@@ -6,10 +6,9 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import calibrate as C
-import joint as J
 import model as M
 import polykv as P
-from test_calibrate import SET, B, T, one_thread, texts, tiny  # noqa: F401  (fixture)
+from test_calibrate import SET, B, one_thread, texts, tiny  # noqa: F401  (fixture)
 
 
 @torch.no_grad()
@@ -49,12 +48,12 @@ def naive_cos(m, tx, policy, layer) -> float:
 def test_joint_scores_equal_naive_runs(seed, signal):
     m, tx = tiny(seed), texts(seed)
     L = m.config.n_layers
-    sig = J.measure(m, tx, B, signal=signal, settings=SET)
-    for r in C.POOL:                                   # every uniform rule, end to end
+    sig = C.measure_joint(m, tx, B, signal=signal, settings=SET)
+    for r in P.pool():                                   # every uniform rule, end to end
         assert sig["uniform_kl"][r] == pytest.approx(naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET)),
                                                      rel=1e-4, abs=1e-7)
     assert sig["uniform_kl"][sig["start"]] == min(sig["uniform_kl"].values())
-    uni = J.policy_of(sig["rules"], [B] * L, SET)      # the chosen rules at the uniform budget
+    uni = C.policy_of(sig["rules"], [B] * L, SET)      # the chosen rules at the uniform budget
     assert sig["sweeps"][-1]["kl"] == pytest.approx(naive_kl(m, tx, uni), rel=1e-4, abs=1e-7)
     # a sweep's score of the rule it kept at the last layer is that of the policy as it then stood
     last = sig["sweeps"][-1]["scores"][L - 1][sig["rules"][L - 1]]
@@ -66,7 +65,7 @@ def test_joint_scores_equal_naive_runs(seed, signal):
     if not sig["sweeps"][-1]["changed"]:               # converged: every layer holds its best rule
         for l, scores in enumerate(sig["sweeps"][-1]["scores"]):
             assert scores[sig["rules"][l]] <= min(scores.values()) + 1e-12
-    pol = J.build(sig, B, SET)
+    pol = C.build_joint(sig, B, SET)
     assert sum(lp.prefill[1] for lp in pol.layers) == L * B
     if sig["budget"]["alpha"] != "0":                  # budgets kept only when they helped
         assert naive_kl(m, tx, pol) == pytest.approx(sig["budget"]["kl_by_alpha"][sig["budget"]["alpha"]], rel=1e-4)
@@ -75,15 +74,15 @@ def test_joint_scores_equal_naive_runs(seed, signal):
 
 def test_joint_policy_file_records_its_procedure(tmp_path):
     m, tx = tiny(1), texts(1)
-    pol = C.calibrate(m, None, B, texts=tx, settings=SET, procedure="joint")
-    assert pol.meta["procedure"] == "joint" and pol.meta["best_uniform"] in C.POOL
+    pol = C.calibrate_joint(m, None, B, texts=tx, settings=SET)
+    assert pol.meta["procedure"] == "joint" and pol.meta["best_uniform"] in P.pool()
     f = tmp_path / "p.json"
     pol.save(f)
     again = P.Policy.load(f, n_layers=m.config.n_layers)
     assert again.layers == pol.layers and again.meta["signals"]["rules"] == [lp.prefill[0] for lp in pol.layers]
     assert C.policy_path("x", 64, 0, tmp_path, "joint") != C.policy_path("x", 64, 0, tmp_path)
-    assert "layers changed per sweep" in J.table(pol)
+    assert "layers changed per sweep" in C.table_joint(pol)
     with pytest.raises(M.UsageError, match="procedure"):
-        C.calibrate(m, None, B, texts=tx, settings=SET, procedure="nope")
-    with pytest.raises(M.UsageError, match="joint only"):
-        C.calibrate(m, None, B, texts=tx, settings=SET, needles=1)
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="nope")
+    with pytest.raises(SystemExit, match="joint only"):
+        C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])

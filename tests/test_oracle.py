@@ -8,11 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
-import checkpoint
 import model as M
 import oracle
+from support import checkpoint
 import polykv as P
-import rules
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -37,19 +36,19 @@ def kept(tiny, golden, rule, settings):
 
 @pytest.mark.parametrize("rule", ["snapkv", "streaming", "tova"])
 def test_kvpress_conventions_reproduce_kvpress_kept_sets(tiny, golden, rule):
-    """rules.KVPRESS on the tiny checkpoint keeps exactly what kvpress 0.5.5's press kept
+    """P.KVPRESS on the tiny checkpoint keeps exactly what kvpress 0.5.5's press kept
     (tests/golden/make_kvpress_golden.py), every (layer, KV head); the project's own defaults
     (the papers' code) keep other sets for SnapKV and TOVA."""
-    assert kept(tiny, golden, rule, rules.KVPRESS) == golden["kept"][rule]
+    assert kept(tiny, golden, rule, P.KVPRESS) == golden["kept"][rule]
     if rule != "streaming":
-        assert kept(tiny, golden, rule, rules.RuleSettings()) != golden["kept"][rule]
+        assert kept(tiny, golden, rule, P.RuleSettings()) != golden["kept"][rule]
 
 
 def test_kvpress_knorm_differs_only_at_exact_ties(tiny, golden):
     """K-norm: the same kept sets but where two keys have the same fp32 norm (a token repeated
     in layer 0: RoPE preserves the norm), which kvpress's top-k breaks its own way."""
     full = M.prefill(tiny, torch.tensor([golden["tokens"]]))
-    ours = kept(tiny, golden, "knorm", rules.KVPRESS)
+    ours = kept(tiny, golden, "knorm", P.KVPRESS)
     for l, lc in enumerate(full.layers):
         norms = lc.k[0].norm(dim=-1)                                           # (G, T) fp32
         for g in range(tiny.config.n_kv_heads):
@@ -61,7 +60,7 @@ def test_kvpress_knorm_differs_only_at_exact_ties(tiny, golden):
 
 def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
     x = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(3))
-    method = oracle.make_method("snapkv", 24, tiny.config.n_layers, rules.RuleSettings(window=8, kernel=3))
+    method = oracle.make_method("snapkv", 24, tiny.config.n_layers, P.RuleSettings(window=8, kernel=3))
     t, h = oracle.dump(tiny, x, method, "snapkv", 24, n_probe=4, n_decode=3, model_name="tiny")
     assert t["pos"].shape == (2, 2, 24) and t["scores"].shape == (2, 2, 90) and t["out"].shape == (2, 4, 7, 16)
     a = tmp_path / "a.safetensors"

@@ -5,26 +5,17 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import methods as MT
 import model as M
 import polykv as P
-import rules
-from model import Config, Llama, UsageError
+from model import UsageError
+from tiny import tiny as tiny_llama
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3)   # small enough for tiny prompts
-COMPRESSING = tuple(rules.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
+COMPRESSING = tuple(P.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
 ALL = ("full",) + COMPRESSING
 
 
-def tiny(seed=0, L=3, H=4, G=2, sdpa=True):
-    torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, dim=32, n_layers=L, n_heads=H, n_kv_heads=G, head_dim=8,
-                 hidden_dim=48, max_seq_len=256, tie_embeddings=False, eos_ids=(0,))
-    m = Llama(cfg, sdpa=sdpa).double().eval()
-    with torch.no_grad():   # larger q/k weights: peaked attention, so rules disagree
-        for blk in m.layers:
-            blk.self_attn.q_proj.weight.mul_(4)
-    return m
+tiny = tiny_llama
 
 
 def policy(rule, budget, m, T):
@@ -90,8 +81,8 @@ def test_scores_equal_naive_recomputation(T, seed):
     m = tiny(seed)
     tokens = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
     maps = full_attention_maps(m, tokens)
-    needs = MT.Needs((frozenset(MT.STATS),) * m.config.n_layers, SET.window, SET.chunk)
-    full, obs = MT.observe(m, tokens, needs)                  # chunk=3: several query chunks
+    needs = P.Needs((frozenset(P.STATS),) * m.config.n_layers, SET.window, SET.chunk)
+    full, obs = P.observe(m, tokens, needs)                  # chunk=3: several query chunks
     stats = obs.stats
     H, G = m.config.n_heads, m.config.n_kv_heads
     w, k = SET.window, SET.kernel
@@ -102,7 +93,7 @@ def test_scores_equal_naive_recomputation(T, seed):
         assert torch.allclose(stats[l]["window"][0], A[:, -w:].sum(1), atol=1e-12)
         # H2O: group mean of column sums; SnapKV: window sums on j < T−w, max-pooled, group mean
         for rule in ("h2o", "snapkv", "tova"):
-            sc, prot = rules.score(rule, rules.ScoreInput(stats[l], full.layers[l].k, l, SET))
+            sc, prot = P.score(rule, P.ScoreInput(stats[l], full.layers[l].k, l, SET))
             for gk in range(G):
                 heads = range(gk * H // G, (gk + 1) * H // G)
                 if rule == "h2o":
@@ -115,7 +106,7 @@ def test_scores_equal_naive_recomputation(T, seed):
                     want = [sum(p[j] for p in pool) / len(pool) for j in range(T - w)] + [0.0] * w
                 assert torch.allclose(sc[0, gk], torch.tensor(want, dtype=sc.dtype), atol=1e-12)
                 budget = T // 2
-                got = rules.select(sc, budget, prot)[0, gk].tolist()
+                got = P.select(sc, budget, prot)[0, gk].tolist()
                 assert got == naive_topk(want, budget, prot.tolist())
 
 
@@ -242,4 +233,4 @@ def test_causal_probs_equal_attention_probs(T, chunk, seed):
         c0 = max(0, c1 - chunk)
         want = M.attention_probs(q[:, :, c0:c1], k[:, :, :c1], torch.zeros(2, 2, c1, dtype=torch.float64),
                                  pos[:, c0:c1], pos[:, None, :c1].expand(2, 2, c1))
-        assert torch.allclose(MT.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0)
+        assert torch.allclose(P.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0)

@@ -1,27 +1,19 @@
-"""Generic tests every registered rule passes (rules.RULES): a new rule is checked by these
+"""Generic tests every registered rule passes (P.RULES): a new rule is checked by these
 with no edit here. Tiny random LLaMA in fp64; naive top-k in Python."""
+import functools
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import methods as MT
 import model as M
 import polykv as P
-import rules
-from model import Config, Llama
+from tiny import tiny as tiny_llama
 
-SET = rules.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5)
+SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5)
 
 
-def tiny(seed=0, L=2, H=4, G=2):
-    torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, dim=32, n_layers=L, n_heads=H, n_kv_heads=G, head_dim=8,
-                 hidden_dim=48, max_seq_len=256, tie_embeddings=False, eos_ids=(0,))
-    m = Llama(cfg).double().eval()
-    with torch.no_grad():   # peaked attention, so rules disagree
-        for blk in m.layers:
-            blk.self_attn.q_proj.weight.mul_(4)
-    return m
+tiny = functools.partial(tiny_llama, L=2)
 
 
 def naive_topk(scores, k, protected):
@@ -30,7 +22,7 @@ def naive_topk(scores, k, protected):
     return sorted(order[:k])
 
 
-@pytest.mark.parametrize("name", list(rules.RULES))
+@pytest.mark.parametrize("name", list(P.RULES))
 @given(budget=st.integers(5, 16), T=st.integers(18, 40), seed=st.integers(0, 3))
 def test_rule_keeps_its_top_scored_protected_and_exact_budget(name, budget, T, seed):
     """For every layer and KV head: exactly `budget` entries, the protected ones among them,
@@ -38,11 +30,11 @@ def test_rule_keeps_its_top_scored_protected_and_exact_budget(name, budget, T, s
     m = tiny(seed)
     x = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
     pol = P.Policy.uniform(name, budget, m.config.n_layers, settings=SET)
-    full, obs = MT.observe(m, x, pol.needs(m))
+    full, obs = P.observe(m, x, pol.needs(m))
     cache = pol.compress(m, full, obs)
     assert cache.entries() == m.config.n_layers * m.config.n_kv_heads * budget
     for l, lc in enumerate(cache.layers):
-        sc, prot = rules.score(name, rules.ScoreInput(obs.stats[l], full.layers[l].k, l, SET))
+        sc, prot = P.score(name, P.ScoreInput(obs.stats[l], full.layers[l].k, l, SET))
         assert sc.shape == (1, m.config.n_kv_heads, T) and prot.shape == (T,)
         for g in range(m.config.n_kv_heads):
             kept = lc.pos[0, g].tolist()
@@ -51,7 +43,7 @@ def test_rule_keeps_its_top_scored_protected_and_exact_budget(name, budget, T, s
             assert torch.equal(lc.k[0, g], full.layers[l].k[0, g, kept])
 
 
-@pytest.mark.parametrize("name", list(rules.RULES))
+@pytest.mark.parametrize("name", list(P.RULES))
 def test_rule_compresses_each_batch_row_as_alone(name):
     """A batch of 2 different prompts keeps, per row, what each prompt keeps alone."""
     m, T, budget = tiny(5), 30, 9
@@ -65,12 +57,12 @@ def test_rule_compresses_each_batch_row_as_alone(name):
             torch.testing.assert_close(lb.k[b], la.k[0], rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.parametrize("name", list(rules.RULES))
+@pytest.mark.parametrize("name", list(P.RULES))
 def test_rule_record_is_complete(name):
     """Its needs are known statistics, its decode form exists, and a budget >= T + n (prompt
     and continuation) is FullKV, decode form included."""
-    r = rules.RULES[name]
-    assert r.needs <= set(MT.STATS) and r.decode in rules.DECODE
+    r = P.RULES[name]
+    assert r.needs <= set(P.STATS) and r.decode in P.DECODE
     m, T = tiny(1), 20
     x = torch.randint(1, 50, (1, T + 3), generator=torch.Generator().manual_seed(1))
     pol = P.Policy.uniform(name, T + 3, m.config.n_layers, settings=SET)

@@ -13,11 +13,9 @@ from collections import Counter
 
 import pytest
 
-import checkpoint
-import longbench
+import evaluate
 import model
-import metrics
-import tasks
+from support import checkpoint, longbench, metrics, tasks
 
 
 def _byte_tokenizer(path, bos=False):
@@ -372,7 +370,7 @@ def test_longbench_chat_template_and_samsum_stop(tmp_path):
     assert not trec.templated and not sam.templated
     assert trec.prompt == longbench.LONGBENCH_PROMPTS["trec"].format(context="Ann met Bob.", input="Who?")
     newline = chat_tok.encode("\n", add_special_tokens=False)[-1]
-    assert metrics.stop_ids(chat_tok, sam) == {0, newline} and metrics.stop_ids(chat_tok, hot) == {0}
+    assert evaluate.stop_ids(chat_tok, sam) == {0, newline} and evaluate.stop_ids(chat_tok, hot) == {0}
     # without a template (the embedded GGUF conversion) every dataset is prompted raw
     plain = longbench.load_longbench(data, btok, max_length=400)[0]
     assert not plain.templated and plain.prompt == raw
@@ -393,7 +391,7 @@ def test_load_longbench_bad_folder(tmp_path, tok):
 @pytest.fixture(scope="module")
 def smol():
     """The embedded SmolLM2 tokenizer only (no weights). Skips if the fetch fails outside CI."""
-    from embedded import ensure_default_model
+    from support.embedded import ensure_default_model
     try:
         folder = ensure_default_model(model.default_model_dir())
     except model.UsageError as e:
@@ -439,20 +437,20 @@ def test_embedded_tokenizer_longbench_truncation_and_fidelity(tmp_path, smol):
 
 
 def test_answers_stop_after_their_first_line(tok):
-    """metrics.answer_done: RULER and LongBench first-line tasks stop once a newline follows
+    """evaluate.answer_done: RULER and LongBench first-line tasks stop once a newline follows
     non-blank text (leading blank lines do not stop them); other tasks run to the cap; and
     model.greedy keeps the token that completed the answer, then stops."""
     import torch
 
     import model as M
     ruler = tasks.RULER_TASKS["niah_single_1"](tok, 600, seed=0)
-    done = metrics.answer_done(tok, ruler)
+    done = evaluate.answer_done(tok, ruler)
     enc = lambda s: tok.encode(s, add_special_tokens=False)
     assert not done(enc(" \n")) and not done(enc("\n\n 1234")) and done(enc(" 1234.\n"))
     qa = tasks.Sample("narrativeqa", 0, "p", ["a"], "qa_f1_score", 8)
-    assert metrics.answer_done(tok, qa) is None
+    assert evaluate.answer_done(tok, qa) is None
     trec = tasks.Sample("trec", 0, "p", ["a"], "classification_score", 8)
-    assert metrics.answer_done(tok, trec)(enc("Location\nmore"))
+    assert evaluate.answer_done(tok, trec)(enc("Location\nmore"))
 
     class Stub:                 # a model whose logits always pick token 5; counts its steps
         steps = 0
