@@ -1,4 +1,4 @@
-"""Where the time goes (SPEC.md §7), as ratios measured in one run: figures, not tests.
+"""Where the time goes, as ratios measured in one run: figures, not tests.
 
 `python bench.py` on the embedded model, natural-text prompts from the test split:
 1. observation: the plain FullKV prefill of a `--length`-token prompt vs the shared prefill that

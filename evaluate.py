@@ -1,7 +1,7 @@
 """The benchmark: every method against FullKV at one or several budgets, offline.
 
 `python evaluate.py --budget 512` runs the default suite on the embedded model and prints one
-Markdown table (rows = methods, columns = tasks). Suites (SPEC.md §6, data from tasks.py):
+Markdown table (rows = methods, columns = tasks). Suites (docs/protocol.md, data from support/tasks.py):
 - fidelity: natural-text prompts, compressed, then the real next tokens teacher-forced;
   KL(FullKV ‖ method) of the next-token distributions, ΔNLL vs FullKV, top-1 agreement.
 - RULER-style retrieval: greedy answers scored with `string_match_all`, and *answer fidelity*:
@@ -15,7 +15,7 @@ methods of one sample share that one prefill (and its attention statistics); eac
 only its compression and decoding. Teacher-forced distributions count from the first
 continuation token (predicted from the prefill's last logits) on.
 
-A fair comparison (SPEC.md §6):
+A fair comparison (docs/protocol.md):
 - Equal memory (`--memory equal`, the default): every method may grow by the tokens that follow
   the prompt; a policy's decode budgets are its prefill budgets plus that allowance, so an
   evicting decode rule (TOVA, H2O, StreamingLLM, PolyKV's) evicts only beyond it and every
@@ -26,7 +26,7 @@ A fair comparison (SPEC.md §6):
   decode rules hold their prompt budget).
 - Same numerical path: FullKV and every method of an item are teacher-forced the same way — in
   one step, or token by token for all when some method's decoder evicts within the continuation.
-- Intervals: report.py gives each mean a paired bootstrap 95 % interval over prompts, and each
+- Intervals: support/report.py gives each mean a paired bootstrap 95 % interval over prompts, and each
   method's difference to the best uniform rule its own.
 - Splits: `--split test` (default) scores the test passages (even topics) and RULER seeds
   + 1000; `--split dev` the dev passages (odd topics, where calibration reads too) and the
@@ -55,6 +55,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -144,18 +145,45 @@ def teacher_force(model, cache, target, decoder=None, stepwise=False):
     return torch.log_softmax(torch.cat(rows, 1)[0].float(), -1), (entries, slots)   # (n, V)
 
 
-def compare(ref_lp, lp, target) -> dict:
-    """KL(FullKV ‖ method), ΔNLL and top-1 agreement over the n teacher-forced positions."""
+def compare(ref_lp, lp, target) -> tuple:
+    """KL(FullKV ‖ method), ΔNLL and top-1 agreement (%) over the n teacher-forced positions."""
     tgt = target[0].to(lp.device)
     kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).mean()          # Σ p (log p − log q)
     nll = -lp.gather(1, tgt[:, None]).mean()
     ref_nll = -ref_lp.gather(1, tgt[:, None]).mean()
     top1 = (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()
-    return {"kl": float(kl), "dnll": float(nll - ref_nll), "top1": 100 * float(top1)}
+    return float(kl), float(nll - ref_nll), 100 * float(top1)
+
+
+@dataclass
+class Row:
+    """One result: a method at a budget on one prompt, a line of OUT/samples*.jsonl. The fields
+    past prefill_s are set by what the prompt measures (teacher forcing: kl, dnll, top1 and the
+    decoding peaks; a task: pred, score) and left out of the line otherwise."""
+    key: str
+    method: str
+    budget: int
+    task: str
+    length: int
+    index: int
+    n_tokens: int
+    kv_fraction: float          # prompt-cache entries / FullKV's
+    compress_s: float           # the method's compression after the shared prefill
+    prefill_s: float            # the shared prefill + every method's statistics
+    kl: Optional[float] = None  # fidelity: KL(FullKV ‖ method), mean over the teacher-forced tokens
+    dnll: Optional[float] = None
+    top1: Optional[float] = None
+    peak_fraction: Optional[float] = None   # most entries while decoding / FullKV's
+    alloc_fraction: Optional[float] = None  # the same for allocated slots (padding included)
+    pred: Optional[str] = None
+    score: Optional[float] = None
+
+    def to_json(self) -> dict:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 class Methods:
-    """Turns a method name + budget into a methods.Method (built once, then reused)."""
+    """Turns a method name + budget into a polykv.Method (built once, then reused)."""
 
     def __init__(self, model, tok, args):
         self.model, self.tok, self.args = model, tok, args
@@ -199,7 +227,7 @@ class Methods:
 
 
 def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
-    """All (method, budget) results of one item not in done, as dicts."""
+    """All (method, budget) results of one item not in done, as JSON rows (`Row`)."""
     T = item.tokens.shape[1]
     todo = [(n, b) for b in budgets for n in names if result_key(n, b, item) not in done]
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
@@ -216,26 +244,24 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
         t0 = time.perf_counter()
         cache = method.compress(model, full, obs)
         t_c = time.perf_counter() - t0
-        r = {"key": result_key(name, budget, item), "method": name, "budget": budget,
-             "task": item.task, "length": item.length, "index": item.index, "n_tokens": T,
-             "kv_fraction": cache.entries() / (L * G * T), "compress_s": round(t_c, 4),
-             "prefill_s": round(t_p, 4)}   # the shared prefill + every method's statistics
+        r = Row(result_key(name, budget, item), name, budget, item.task, item.length, item.index, T,
+                kv_fraction=cache.entries() / (L * G * T), compress_s=round(t_c, 4), prefill_s=round(t_p, 4))
         if item.target is not None:
             lp, (entries, slots) = teacher_force(model, cache.fork(), item.target,
                                                  method.decoder if stepwise else None, stepwise)
-            r.update(compare(ref_lp, lp, item.target))
+            r.kl, r.dnll, r.top1 = compare(ref_lp, lp, item.target)
             # memory while decoding, vs FullKV after the same tokens: real entries and allocated
             # slots (padding included; bytes = slots × 2·D·element size for both)
-            r.update(peak_fraction=entries / ref_entries, alloc_fraction=slots / ref_slots)
+            r.peak_fraction, r.alloc_fraction = entries / ref_entries, slots / ref_slots
         if item.sample is not None:
             n_new = min(item.sample.max_new_tokens, methods.args.max_new_tokens)
             # a decoder that cannot evict within the answer would only cost time per step
             ids = M.greedy(model, cache.fork(), n_new, stop_ids(tok, item.sample),
                            method.decoder if method.evicts_within(T, n_new) else None,
                            answer_done(tok, item.sample))
-            r["pred"] = tok.decode(ids)
-            r["score"] = metrics.score(item.sample, r["pred"])
-        out.append(r)
+            r.pred = tok.decode(ids)
+            r.score = metrics.score(item.sample, r.pred)
+        out.append(r.to_json())
     return out
 
 

@@ -587,7 +587,7 @@ def peek(heap: list, k: int) -> list:
 
 class Slots:
     """What the greedy's entries cost in allocated cache slots. A layer's G heads share one
-    (G, S, D) tensor, S = the most entries of its heads (cache.py: padding is allocated memory),
+    (G, S, D) tensor, S = the most entries of its heads (model.py: padding is allocated memory),
     so an action that gives unit u k more entries costs G·max(0, n_u + k − cap_l) slots (cap_l =
     the layer's largest head): entries under the cap fill padding for free, entries above it
     pay for the layer's G heads. The budget is in slots, like every other method's."""

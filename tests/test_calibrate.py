@@ -1,6 +1,6 @@
 """PolyKV calibration: budget allocation invariants, signals against naive full-model probes,
 a planted layer whose rule choice matters, uniform policies, ablations and the policy cache.
-Tiny random LLaMAs in fp64 on CPU (SPEC.md §9)."""
+Tiny random LLaMAs in fp64 on CPU."""
 import math
 
 import pytest
@@ -12,7 +12,7 @@ import calibrate as C
 import model as M
 import polykv as P
 from model import UsageError
-from tiny import tiny as tiny_llama
+from conftest import tiny as tiny_llama
 
 @pytest.fixture(autouse=True)
 def one_thread():

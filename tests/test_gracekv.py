@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import gracekv as GK
 import model as M
-from tiny import tiny as tiny_llama
+from conftest import tiny as tiny_llama
 
 SET = GK.Settings(window=4, slot_min=3, slot_max=8, bend_width=2, prefetch=3)
 CHUNK = 5                    # observation chunk: several chunks on tiny prompts
@@ -360,7 +360,7 @@ def test_embedded_generate(embedded):
 @given(st.integers(16, 40), st.integers(0, 3))
 def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     """prototype_key = "post": for any query (at any later position) the prototype's logit is
-    exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t (SPEC §5)."""
+    exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t."""
     m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "key": GK.key_post})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cx = GK.context(m, full, stats, s.window, s)

@@ -1,6 +1,6 @@
-"""PolyKV's joint calibration (joint.py): every score it records equals a naive full-model run
+"""PolyKV's joint calibration (calibrate.py, the joint procedure): every score it records equals a naive full-model run
 of the policy it stands for, the sweeps never raise the calibration KL, the budgets keep their
-sum, and the policy file says which procedure made it. Tiny random LLaMAs in fp64 (SPEC.md §9)."""
+sum, and the policy file says which procedure made it. Tiny random LLaMAs in fp64."""
 import pytest
 import torch
 from hypothesis import example, given, settings, strategies as st

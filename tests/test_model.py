@@ -1,6 +1,6 @@
 """Tests for model.py: every test is an oracle comparison or an exact invariant.
 
-Tiny random LLaMAs in fp64 on CPU (SPEC.md §9). The oracle for attention and RoPE is `naive_logits`
+Tiny random LLaMAs in fp64 on CPU. The oracle for attention and RoPE is `naive_logits`
 below: an independent, loop-over-heads re-implementation of the decoder that shares only the
 weights and `rope_inv_freq` with model.py (RoPE as complex multiplication, its own RMSNorm and
 softmax), so a bug in model.py's vectorised code cannot hide in both. "Exact" comparisons of fp64

@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 import model as M
 import polykv as P
 from model import UsageError
-from tiny import tiny as tiny_llama
+from conftest import tiny as tiny_llama
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3)   # small enough for tiny prompts
 COMPRESSING = tuple(P.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule

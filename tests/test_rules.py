@@ -8,7 +8,7 @@ from hypothesis import given, strategies as st
 
 import model as M
 import polykv as P
-from tiny import tiny as tiny_llama
+from conftest import tiny as tiny_llama
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5)
 

@@ -1,4 +1,4 @@
-"""tasks.py: RULER-style generators, natural-text windows, metrics, the LongBench loader.
+"""support/tasks.py: RULER-style generators, natural-text windows, metrics, the LongBench loader.
 
 Most tests use a byte-level tokenizer with no merges (one token per byte), so token counts and
 decoding are exact and checkable by hand; a few use the embedded SmolLM2 tokenizer (marked).
