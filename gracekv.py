@@ -25,28 +25,8 @@ Notation: T prompt tokens, r recent window, Tc = T − r context tokens, H query
 heads, g = H/G, D head dim, L layers, U = L·G units, P = g·r probes per unit, n tokens in a
 node. One prompt at a time (batch 1). The cache holds at most U·B real entries.
 
-[choices] where the reading of the paper is open (the measurements behind them, and every
-variant's row: docs/gracekv.md):
-- Probes: the question is not marked in the token ids, so the last r = `window` tokens are the
-  suffix; they stay exact and their queries (all g heads of the group) are the probes U. If
-  B <= r, the attention sink (token 0) and the last B − 1 stay.
-- Slots: the hidden state is traced by the layer-L/2 cache's un-rotated keys and values, per
-  head L2-normalised and concatenated (a linear image of it the cache already holds); no
-  surprisal term; cut at the highest κ in each window [a+slot_min, a+slot_max].
-- Splits: bisection at the highest κ of the node's central half, or extraction of the token
-  with the most first-hop probe mass ŝ of that unit, the node keeping the rest (a prototype with
-  a hole, cost 1); the larger gain wins, ties to bisection. Split gain ω·(R(v)D(v) − Σ_c R(c)D(c)).
-- Distortion: log Z normalised by each probe's full causal row; D = Σ_u w_u D_u, w_u ∝ Z_u;
-  log(Z̃/Z) <= log_rho_max.
-- Relevance: ŝ and d̂ normalised over the context per unit, then one row shared by every unit
-  (the mean); propagation in each layer along its group-mean attention, d = Σ_k decay^(k−1)·x^k;
-  β = 0.1·mean R = 0.1/Tc.
-- Floor: ⌊floor_frac·U·(B−r)⌋ slots in whole rows of a layer (every head of layer l keeps its
-  f_l highest-R tokens), the f_l from one ranking of Σ_heads ω·R; floor_frac = 0.1.
-- Budget in allocated slots (`Slots`): a layer's heads share one tensor padded to its longest
-  head; the greedy spends the whole B_alloc, negative gains included, so a budget >= T ends in
-  all leaves; an action costing more than is left is dropped. An add is ranked by the better of
-  itself and itself with its best first split (`rank_with_lookahead`; won on dev).
+[choices] where the reading of the paper is open are marked so beside the code; docs/gracekv.md
+("Choices") lists them with the measurements behind them, and every variant's row.
 Variants (`VARIANTS`) swap one function or setting each; the kernels never branch on them.
 """
 from __future__ import annotations
@@ -64,6 +44,7 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
+from support.greedy import Slots, peek
 
 
 def _later(name: str):
@@ -111,11 +92,10 @@ class Settings:
 
 @dataclass(frozen=True)
 class ValueFlow:
-    """GraceKV's per-layer statistic of the shared prefill (polykv.Needs.extra): the probe
-    queries (the last r tokens) and the value flow x^0_i = Σ_{u∈U} Ā[u, i] (Ā the group-mean
-    attention), x^k_i = Σ_j x^{k−1}_j Ā[j, i] = Σ_{j≥i} x^{k−1}_j Ā[j, i]. Query rows come in
-    descending chunks, so a chunk's rows of x^{k−1} are complete once it is added and every hop
-    takes the same pass. Value per layer: (probes (H, r, D), x (hops+1, G, T))."""
+    """GraceKV's per-layer statistic of the shared prefill (polykv.Needs.extra): the probe queries
+    (the last r tokens) and the value flow x^0_i = Σ_{u∈U} Ā[u, i] (Ā the group-mean attention),
+    x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i]. Query rows come in descending chunks, so every hop takes the
+    same pass. Value per layer: (probes (H, r, D), x (hops+1, G, T))."""
     window: int = 32
     hops: int = 2
 
@@ -162,15 +142,14 @@ def needs(s: "Settings") -> polykv.Needs:
     return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.hops)),))
 
 
-def flow_of(obs: polykv.Observation, window: int) -> Flow:
+def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
     probes, flow = zip(*obs.extra["flow"])
     return Flow(window, list(probes), list(flow))
 
 
 @torch.no_grad()
 def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 256):
-    """Full prefill of tokens (1, T) observing GraceKV's probes and flow: (FullKV cache, Flow).
-    chunk: query rows per chunk of the observation pass (memory only)."""
+    """Full prefill of tokens (1, T) observing the probes and flow (chunk: query rows per pass)."""
     s = settings or Settings()
     full, obs = polykv.observe(model, tokens, polykv.Needs(chunk=chunk, extra=needs(s).extra))
     return full, flow_of(obs, s.window)
@@ -475,16 +454,13 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
 
 
 # ============================================================================= budget flow (eqs. 12-13)
-# One global greedy over all units spends the entries left after the exact window and the
-# singleton floor: Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1;
-# Δ_split(v) = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1; one max-heap on Δ/cost, popped
-# until B_alloc allocated slots are spent; a node splits only after it was added.
+# Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1; Δ_split(v) = ω·(R(v)D(v) − Σ_c R(c)D(c)),
+# cost |children| − 1; one max-heap on Δ/cost over all units; a node splits only once added.
 
 @dataclass
 class Node:
-    """One node of a unit's tree (node_stats' fields): span [a, b) minus the unit's holes when it
-    was made, its n tokens, relevance R, distortion D and D(drop), and its prototype (key (D,),
-    value (D,), position, log m)."""
+    """A node of a unit's tree (node_stats' fields): span [a, b) minus the unit's holes when made,
+    n tokens, R, D, D(drop), and its prototype: key (D,), value (D,), position, log m."""
     __slots__ = ("unit", "a", "b", "n", "R", "D", "Ddrop", "key", "val", "pos", "logm")
     unit: int
     a: int
@@ -575,43 +551,6 @@ def best_splits(cx, plan: Plan, ids: list):
         start += nk
 
 
-def peek(heap: list, k: int) -> list:
-    """The k best entries of a heap, best first, left in it: k pops and k pushes, O(k log n)
-    (heapq.nsmallest reads the whole heap). Entries are unique, so the pops that follow come
-    in the same order as before the peek."""
-    top = [heapq.heappop(heap) for _ in range(min(k, len(heap)))]
-    for e in top:
-        heapq.heappush(heap, e)
-    return top
-
-
-class Slots:
-    """What the greedy's entries cost in allocated cache slots. A layer's G heads share one
-    (G, S, D) tensor, S = the most entries of its heads (model.py: padding is allocated memory),
-    so an action that gives unit u k more entries costs G·max(0, n_u + k − cap_l) slots (cap_l =
-    the layer's largest head): entries under the cap fill padding for free, entries above it
-    pay for the layer's G heads. The budget is in slots, like every other method's."""
-
-    def __init__(self, counts: list, group: int, left: int):
-        self.n, self.G, self.left = list(counts), group, left           # n_u: unit u's entries
-        self.cap = [max(counts[i:i + group]) for i in range(0, len(counts), group)]
-        self.room = sum(self.cap[u // group] - c for u, c in enumerate(counts))   # padding now
-
-    def charge(self, u: int, k: int) -> int:
-        return self.G * max(0, self.n[u] + k - self.cap[u // self.G])
-
-    def take(self, u: int, k: int):
-        c = self.charge(u, k)
-        self.left -= c
-        self.room += c - k
-        self.n[u] += k
-        self.cap[u // self.G] = max(self.cap[u // self.G], self.n[u])
-
-    def done(self) -> bool:
-        """No padding left to fill and too few slots left to raise a layer."""
-        return self.room == 0 and self.left < self.G
-
-
 def rank_by_gain(cx, plan: "Plan") -> dict:
     """Eq. 13 as stated: an add competes by its own gain per entry, Δ_add / 1."""
     return dict(plan.add_gain)
@@ -631,21 +570,15 @@ def rank_with_lookahead(cx, plan: "Plan") -> dict:
 
 
 def allocate(cx, B_alloc: int) -> Plan:
-    """Budget flow: a global max-heap over add(root) and split(added node) by gain per entry.
-
-    Δ_add(root) = ω·R·(D_drop − D(root)), cost 1 (eq. 12), ranked in the heap by
-    Settings.rank_adds; popping an add applies the add alone (cost 1), after which its split
-    competes on its own (eq. 13). Nodes are evaluated lazily, in batches: before
-    an action is applied, the nodes it brings into the cache (and those of the next `prefetch`
-    best actions) get their best split, so every available action is known when it competes.
-    Extractions mark holes in cx.units.hole: one Context serves one allocate call.
-
-    B_alloc counts allocated slots (`Slots`): the best action is applied if its charge fits in
-    what is left, else dropped [choice: not retried if the layer's cap rises later]; the greedy
-    goes on while padding can still be filled, so a layer's heads end with (nearly) as many
-    entries each and the cache's allocated slots are its entries."""
+    """Budget flow: a global max-heap over add(root) (eq. 12, ranked by Settings.rank_adds,
+    applied alone at cost 1) and split(added node) (eq. 13) by gain per entry. Nodes get their
+    best split lazily, in batches, before an action that brings them in (and the next `prefetch`
+    best) is applied, so every available action is known when it competes. Extractions mark
+    holes in cx.units.hole: one Context serves one call. B_alloc counts allocated slots
+    (`Slots`): an action whose charge does not fit is dropped [choice: not retried]; the greedy
+    goes on while padding can be filled, so a layer's heads end (nearly) equally long."""
     plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots, group=cx.G)  # floor = holes before the greedy
-    cost_of = Slots(plan.floor.sum(1).tolist(), cx.G, B_alloc)
+    cost_of = Slots(plan.floor.sum(1).tolist(), cx.G, B_alloc)   # k more entries of u: G·max(0, n_u + k − cap_l)
     roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
     if roots:
         u, a, b = (torch.tensor(x, device=cx.units.kr.device) for x in zip(*roots))
@@ -684,11 +617,8 @@ def allocate(cx, B_alloc: int) -> Plan:
             continue
         if entering(kind, v):
             # evaluate what the next `prefetch` affordable actions bring in, directly or below
-            # splits evaluated in an earlier round that rank above the prefetch-th action (a
-            # chain of extractions: without the walk each link costs a round of its own), then,
-            # for nodes whose own split ranks above it, their children too (they will be needed
-            # first); actions that do not fit now are left to the loop (near the end of the
-            # budget most of them are dropped unevaluated)
+            # evaluated splits ranked above the prefetch-th (extraction chains: one round, not
+            # one per link), then the children of those whose split ranks above it too
             top = peek(heap, cx.s.prefetch)
             tau, done = -top[-1][0], 0
             todo = {c for e in top if fits(*e[2:]) for c in below(*e[2:], tau)}
@@ -716,11 +646,9 @@ def allocate(cx, B_alloc: int) -> Plan:
 
 def singleton_floor(cx: Context, n_floor: int) -> int:
     """The singleton floor in at most n_floor allocated slots: layer l's G heads each keep their
-    f_l highest-R_t tokens exact (ties to the later token), as holes in their trees. The f_l come
-    from one ranking over all layers of "one more floor token in every head of layer l", worth
-    Σ_heads ω_j·R_j,(f_l+1) for G slots [choice: the write-up ranks (unit, token) pairs by ω_j·R_t
-    over all units; per head, that leaves a layer's heads unequal, and the cache pads them to the
-    longest (the floor then costs up to twice its entries in memory)]. Returns the floor's slots."""
+    f_l highest-R_t tokens exact (ties to the later token), as holes in their trees; the f_l from
+    one ranking of "one more floor token in every head of layer l", worth Σ_heads ω_j·R_j,(f_l+1)
+    for G slots [choice: whole rows, docs/gracekv.md]. Returns the floor's slots."""
     Tc, G = cx.Tc, cx.G
     R, order = cx.units.R[:, :Tc].flip(-1).sort(dim=-1, descending=True, stable=True)   # (U, Tc) per unit
     row = (cx.omega[:, None] * R).view(-1, G, Tc).sum(1)                 # (L, Tc) non-increasing
@@ -768,10 +696,9 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
 
 
 def picture(plan: Plan, unit: int, Tc: int) -> list:
-    """One unit's cache as text, a line per slot and a character per context token:
-    'F' floor token, 'x' exact leaf of the tree, a letter per prototype (the tokens it stands
-    for), '.' dropped. The recent
-    window (exact) is not drawn."""
+    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
+    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
+    recent window (exact) is not drawn."""
     nd, row = plan.nodes, ["."] * Tc
     mine = sorted((nd[i].a, i) for i in plan.frontier if nd[i].unit == unit)
     leaves = {nd[i].a for _, i in mine if nd[i].n == 1}
@@ -826,9 +753,8 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
     return GraceKV(budget, settings).prefill(model, tokens)
 
 
-# The harness's GraceKV rows (evaluate.py --methods): name -> Settings overrides, each swapping
-# one formula or setting. `gracekv` is the method as read here (the docstring's choices);
-# docs/gracekv.md has every row's dev and test figures.
+# GraceKV's rows (evaluate.py --methods): name -> Settings overrides, each swapping one formula
+# or setting; `gracekv` is the method as read here. Their figures: docs/gracekv.md.
 VARIANTS = {"gracekv": {},
             "gracekv-postkey": {"key": key_post},                 # the exact mean-logit key
             "gracekv-mn": {"multiplicity": multiplicity_n},       # m = n

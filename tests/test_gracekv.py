@@ -7,6 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 import gracekv as GK
+from support import greedy
 import model as M
 from conftest import tiny as tiny_llama
 
@@ -388,10 +389,10 @@ def test_budget_within_the_window_keeps_the_sink():
 
 @given(st.lists(st.floats(-5, 5), max_size=40), st.integers(0, 50))
 def test_peek_is_nsmallest_and_leaves_the_pop_order(gains, k):
-    """gracekv.peek: the k best heap entries, and the heap pops in the same order after it."""
+    """support.greedy.peek: the k best heap entries, and the heap pops in the same order after it."""
     import heapq
     heap = [(-g, i, "add", i) for i, g in enumerate(gains)]
     heapq.heapify(heap)
     twin = list(heap)
-    assert GK.peek(heap, k) == heapq.nsmallest(k, twin)
+    assert greedy.peek(heap, k) == heapq.nsmallest(k, twin)
     assert [heapq.heappop(heap) for _ in range(len(heap))] == sorted(twin)
