@@ -1,5 +1,6 @@
-"""Every Python block of the README runs as written on the embedded model (each in its own
-process: a block may register a rule)."""
+"""Every Python block of the README and of docs/ runs as written on the embedded model (each in
+its own process: a block may register a rule). A block that starts with a decorator line
+`@rule(` is an excerpt of polykv.py and must appear there verbatim."""
 import os
 import re
 import subprocess
@@ -9,16 +10,21 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-BLOCKS = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+PAGES = [ROOT / "README.md"] + sorted((ROOT / "docs").glob("*.md"))
+BLOCKS = [(p.relative_to(ROOT).as_posix(), i, code) for p in PAGES
+          for i, code in enumerate(re.findall(r"```python\n(.*?)```", p.read_text(), re.S))]
+
+
+def test_pages_have_blocks():
+    assert {page for page, _, _ in BLOCKS} >= {"README.md", "docs/design.md"}
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("i", range(len(BLOCKS)))
-def test_readme_block_runs(i, embedded):
-    code = BLOCKS[i]
-    if code.startswith("@rule("):                    # an excerpt of rules.py: it is the code there
-        assert code in (ROOT / "rules.py").read_text()
+@pytest.mark.parametrize("page,i,code", BLOCKS, ids=[f"{p}#{i}" for p, i, _ in BLOCKS])
+def test_block_runs(page, i, code, embedded):
+    if code.startswith("@rule("):
+        assert code in (ROOT / "polykv.py").read_text()
         return
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
-    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.returncode == 0, f"{page} block {i}: " + r.stderr[-2000:]
