@@ -55,10 +55,12 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 """
 from __future__ import annotations
 
+import functools
 import math
 import re
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -390,7 +392,9 @@ VARIANTS = {"polykv": ("paper", lambda p: p),
             "polykv-prefill": ("paper", prefill_only),          # no decode-time eviction
             "polykv-joint": ("joint", lambda p: p),
             "polykv-joint-pattern": ("joint", pattern_only),
-            "polykv-joint-budget": ("joint", budget_from_best)}
+            "polykv-joint-budget": ("joint", budget_from_best),
+            "polykv-joint-constraint": ("joint-constraint", lambda p: p),
+            "polykv-joint-weighted": ("joint-weighted", lambda p: p)}
 
 
 # ============================================================================= past the paper: the joint calibration
@@ -399,7 +403,7 @@ VARIANTS = {"polykv": ("paper", lambda p: p),
 # The paper's calibration (calibrate.py) probes each layer alone, every other layer FullKV, and
 # ranks rules by that layer's output cosine. On the embedded model this puts StreamingLLM on a
 # third of the layers at B = 128: each is harmless alone, together they drop the same middle of
-# the prompt (README, "What the paper's procedure loses"). This procedure scores every choice
+# the prompt (docs/polykv.md, "Past the paper"). This procedure scores every choice
 # with the rest of the network already compressed:
 #
 #  1. Start: the best uniform rule on the calibration text, by end-to-end KL (below).
@@ -455,15 +459,57 @@ def policy_of(assign, budgets, settings, meta=None) -> Policy:
                   sum(budgets) // len(budgets), settings, meta or {})
 
 
+def answer_dnll(ref, lp) -> float:
+    """A retrieval probe's loss: the gold answer's NLL per token under the policy minus under
+    FullKV, over answer tokens 1..n−1 (token 0 is predicted by the prompt's last logits, the same
+    for every policy)."""
+    tgt = ref["cont"][0, 1:, None]
+    return float((ref["lp"][:-1].gather(1, tgt) - lp[:-1].gather(1, tgt)).mean())
+
+
+@dataclass
+class Trial:
+    """One candidate policy scored on the calibration set: its text score (lower is better:
+    the KL, or −cosine of the layer tried), the text KL, the probes' answer ΔNLL and the streams
+    entering each later layer, per prompt (texts, then probes)."""
+    text: float
+    kl: float
+    probe: float
+    streams: list
+
+
+class Objective:
+    """How the retrieval probes enter the joint procedure [choice: docs/polykv.md, dev table].
+
+    None: text only (the probes, if any, are measured, not used). A float w: the text score
+    plus w·(probe answer ΔNLL). "constraint": a candidate is admissible only if its probe
+    answer ΔNLL is at most τ, the best uniform rule's; among admissible ones the text score
+    decides (the start is then the best-on-text uniform rule among the admissible)."""
+
+    def __init__(self, retrieval):
+        if not (retrieval is None or retrieval == "constraint" or isinstance(retrieval, float)):
+            raise UsageError(f"retrieval must be None, 'constraint' or a weight, got {retrieval!r}")
+        self.mode, self.tau = retrieval, math.inf
+
+    def key(self, t: Trial, text: float = None) -> float:
+        text = t.text if text is None else text
+        if self.mode == "constraint":
+            return text if t.probe <= self.tau + 1e-12 else math.inf
+        return text + (self.mode * t.probe if isinstance(self.mode, float) else 0.0)
+
+
 @torch.no_grad()
 def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int = 3, tol: float = 0.0,
-            budget_signal: bool = True, settings: RuleSettings = RuleSettings(), log=None) -> dict:
-    """Every signal of the joint procedure and the chosen rules/budgets, JSON-ready."""
+                  budget_signal: bool = True, settings: RuleSettings = RuleSettings(), log=None,
+                  probes=(), retrieval=None) -> dict:
+    """Every signal of the joint procedure and the chosen rules/budgets, JSON-ready. pairs: the
+    text (prompt, continuation) pairs; probes: retrieval probes (prompt, answer); retrieval:
+    how the probes enter the choice (`Objective`)."""
     L, dev, pool = model.config.n_layers, model.device, polykv.pool()
-    log = log or (lambda *_: None)
+    log, goal, n_text = log or (lambda *_: None), Objective(retrieval), len(pairs)
     t0 = time.time()
     refs = []
-    for p, c in pairs:
+    for p, c in list(pairs) + list(probes):
         ref = reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings)
         ref["lp"] = log_probs(model, ref.pop("last"))
         refs.append(ref)
@@ -471,52 +517,63 @@ def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int
                 for ref in refs] for r in pool}
     log(f"{len(refs)} FullKV prefills and {len(pool)} compressions ({time.time() - t0:.0f} s)")
     x0 = [model.embed_tokens(ref["cont"]) for ref in refs]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
 
-    def evaluate(layer, caches_of, xs_of):
-        """Run every prompt from `layer`: (score (lower is better), kl, [streams per prompt])."""
-        kls, coss, streams = [], [], []
+    def evaluate(layer, caches_of, xs_of) -> Trial:
+        """Every prompt run from `layer` with the caches caches_of(i) and streams xs_of(i)."""
+        kls, coss, dn, streams = [], [], [], []
         for i, ref in enumerate(refs):
             lp, xs, out = run_from(model, ref, layer, xs_of(i), caches_of(i))
-            kls.append(kl(ref["lp"], lp))
-            coss.append(cosine(out, ref["out"][layer]))
+            if i < n_text:
+                kls.append(kl(ref["lp"], lp))
+                coss.append(cosine(out, ref["out"][layer]))
+            else:
+                dn.append(answer_dnll(ref, lp))
             streams.append(xs)
-        k, cs = sum(kls) / len(kls), sum(coss) / len(coss)
-        return (k if signal == "kl" else -cs), k, streams
+        return Trial(mean(kls) if signal == "kl" else -mean(coss), mean(kls), mean(dn), streams)
 
-    # 1. the best uniform rule, by end-to-end KL
+    # 1. the start: the best uniform rule by end-to-end KL (admissible under the objective)
     uniform = {r: evaluate(0, lambda i, r=r: comp[r][i].layers, lambda i: x0[i]) for r in pool}
-    start = min(pool, key=lambda r: uniform[r][1])
-    assign = [start] * L
-    cur_kl, streams = uniform[start][1], uniform[start][2]
-    xs = [[x0[i]] + streams[i] for i in range(len(refs))]          # stream entering each layer
-    sig = {"signal": signal, "uniform_kl": {r: uniform[r][1] for r in pool}, "start": start, "sweeps": []}
-    log("uniform rules, KL on the calibration text: "
-        + ", ".join(f"{r} {uniform[r][1]:.4f}" for r in pool) + f"; start from {start}")
+    if goal.mode == "constraint":
+        goal.tau = min(uniform[r].probe for r in pool)
+    start = min(pool, key=lambda r: goal.key(uniform[r], uniform[r].kl))
+    assign, cur = [start] * L, uniform[start]
+    xs = [[x0[i]] + cur.streams[i] for i in range(len(refs))]         # stream entering each layer
+    sig = {"signal": signal, "uniform_kl": {r: uniform[r].kl for r in pool}, "start": start, "sweeps": []}
+    if probes:
+        sig.update(retrieval=retrieval, tau=None if goal.tau == math.inf else goal.tau,
+                   uniform_probe={r: uniform[r].probe for r in pool})
+    log("uniform rules, KL on the calibration text: " + ", ".join(f"{r} {uniform[r].kl:.4f}" for r in pool)
+        + ("; probe answer ΔNLL: " + ", ".join(f"{r} {uniform[r].probe:.3f}" for r in pool) if probes else "")
+        + f"; start from {start}")
 
-    # 2. sweeps over the layers
+    # 2. sweeps over the layers: every rule at layer l, the other layers as chosen so far
     caches = lambda i, a: [comp[a[l]][i].layers[l] for l in range(L)]
     for sweep in range(sweeps):
-        changed, scores = [], []
+        changed, scores, probe_scores = [], [], []
         for l in range(L):
             cand = {}
             for r in pool:
                 trial = assign[:l] + [r] + assign[l + 1:]
                 cand[r] = evaluate(l, lambda i, t=trial: caches(i, t), lambda i: xs[i][l])
-            best = min(pool, key=lambda r: cand[r][0])
-            scores.append({r: cand[r][0] for r in pool})
-            if best != assign[l] and cand[best][0] < cand[assign[l]][0] - tol * abs(cand[assign[l]][0]):
+            best = min(pool, key=lambda r: goal.key(cand[r]))
+            scores.append({r: cand[r].text for r in pool})
+            probe_scores.append({r: cand[r].probe for r in pool})
+            now = goal.key(cand[assign[l]])
+            if best != assign[l] and goal.key(cand[best]) < now - tol * abs(now):
                 changed.append((l, assign[l], best))
-                assign[l] = best
-                cur_kl = cand[best][1]
+                assign[l], cur = best, cand[best]
                 for i in range(len(refs)):
-                    xs[i][l + 1:] = cand[best][2][i]
-        sig["sweeps"].append({"scores": scores, "changed": changed, "kl": cur_kl})
-        log(f"sweep {sweep + 1}: {len(changed)} layers changed, KL {cur_kl:.4f} ({time.time() - t0:.0f} s)")
+                    xs[i][l + 1:] = cand[best].streams[i]
+        sig["sweeps"].append({"scores": scores, "changed": changed, "kl": cur.kl,
+                              **({"probe_scores": probe_scores, "probe": cur.probe} if probes else {})})
+        log(f"sweep {sweep + 1}: {len(changed)} layers changed, KL {cur.kl:.4f}"
+            + (f", probe answer ΔNLL {cur.probe:.3f}" if probes else "") + f" ({time.time() - t0:.0f} s)")
         if not changed:
             break
 
     # 3. budgets: the KL increase when one layer's budget is halved, kept only if it helps
-    budgets = [budget] * L
+    budgets, final = [budget] * L, cur
     if budget_signal and budget >= 2:
         half = {r: [Policy.uniform(r, budget // 2, L, settings=settings).compress(model, ref["full"], ref["obs"])
                     for ref in refs] for r in set(assign)}
@@ -524,22 +581,23 @@ def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int
         for l in range(L):
             trial = lambda i, l=l: [half[assign[l]][i].layers[k] if k == l else comp[assign[k]][i].layers[k]
                                     for k in range(L)]
-            sens.append(max(0.0, evaluate(l, trial, lambda i: xs[i][l])[1] - cur_kl))
+            sens.append(max(0.0, evaluate(l, trial, lambda i: xs[i][l]).kl - cur.kl))
         T = min(ref["full"].layers[0].k.shape[2] for ref in refs)
         target = allocate(sens, L * budget, budget // 4, T)
-        tried = {"0": cur_kl}
+        tried = {"0": (cur, budgets)}
         for alpha in (0.5, 1.0):
             b = largest_remainder([(1 - alpha) * budget + alpha * t for t in target], L * budget)
-            pol = policy_of(assign, b, settings)
-            made = [pol.compress(model, ref["full"], ref["obs"]) for ref in refs]
-            tried[str(alpha)] = evaluate(0, lambda i: made[i].layers, lambda i: x0[i])[1]
-            if tried[str(alpha)] < min(v for k, v in tried.items() if k != str(alpha)):
-                budgets = b
-        sig["budget"] = {"halving_sensitivity": sens, "kl_by_alpha": tried,
-                         "alpha": min(tried, key=tried.get)}
-        log(f"budgets: KL uniform {tried['0']:.4f}, α=½ {tried['0.5']:.4f}, α=1 {tried['1.0']:.4f}; "
-            f"kept α = {sig['budget']['alpha']} ({time.time() - t0:.0f} s)")
-    sig.update(rules=assign, budgets=budgets, seconds=round(time.time() - t0, 1))
+            made = [policy_of(assign, b, settings).compress(model, ref["full"], ref["obs"]) for ref in refs]
+            tried[str(alpha)] = (evaluate(0, lambda i: made[i].layers, lambda i: x0[i]), b)
+        alpha = min(tried, key=lambda a: goal.key(tried[a][0], tried[a][0].kl))
+        final, budgets = tried[alpha]
+        sig["budget"] = {"halving_sensitivity": sens, "kl_by_alpha": {a: t.kl for a, (t, _) in tried.items()},
+                         "alpha": alpha,
+                         **({"probe_by_alpha": {a: t.probe for a, (t, _) in tried.items()}} if probes else {})}
+        log(f"budgets: KL uniform {tried['0'][0].kl:.4f}, α=½ {tried['0.5'][0].kl:.4f}, "
+            f"α=1 {tried['1.0'][0].kl:.4f}; kept α = {alpha} ({time.time() - t0:.0f} s)")
+    sig.update(rules=assign, budgets=budgets, final={"kl": final.kl, "probe": final.probe} if probes
+               else {"kl": final.kl}, seconds=round(time.time() - t0, 1))
     return sig
 
 
@@ -566,20 +624,30 @@ def table_joint(policy: Policy) -> str:
 
 
 def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
-                    cont_len: int = 64, signal: str = "cosine", needles: int = 0,
-                    settings: RuleSettings = RuleSettings(), texts=None, model_name: str = "",
-                    log=None) -> Policy:
+                    cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = 0,
+                    retrieval=None, settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
+                    model_name: str = "", log=None) -> Policy:
     """The joint procedure on the calibration set (texts: as in `calibrate`). needles: that
-    many dev-split niah_single_1 prompts join the texts, their gold answer as the continuation."""
+    many dev-split niah_single_1 prompts join the texts, their gold answer as the continuation.
+    probes: that many retrieval probes from the dev text (tasks.calibration_facts; probe_pairs:
+    given ones instead), used as `retrieval` says (`Objective`)."""
     if texts is None:
         texts = calibration_set(tok, budget, n_prompts, prompt_len, cont_len, seed, needles=needles)
+    if probe_pairs is None:
+        probe_pairs = tasks.calibration_facts(tok, probes, prompt_len, seed) if probes else []
     _, _, meta = set_meta(model, tok, texts, budget, seed, model_name, needles)
-    return build_joint(measure_joint(model, texts, budget, signal, settings=settings, log=log),
-                       budget, settings, meta)
+    meta["calibration"].update(probes=len(probe_pairs), retrieval=retrieval)
+    sig = measure_joint(model, texts, budget, signal, settings=settings, log=log, probes=probe_pairs,
+                        retrieval=retrieval)
+    return build_joint(sig, budget, settings, meta)
 
 
-# calibration procedures by name (--procedure): the paper's and the joint one
-PROCEDURES = {"paper": calibrate, "joint": calibrate_joint}
+# calibration procedures by name (--procedure; a policy file's name carries it): the paper's,
+# and the joint one with each objective
+PROCEDURES = {"paper": calibrate,
+              "joint": calibrate_joint,
+              "joint-constraint": functools.partial(calibrate_joint, probes=4, retrieval="constraint"),
+              "joint-weighted": functools.partial(calibrate_joint, probes=4, retrieval=0.01)}
 
 
 # ----------------------------------------------------------------------------- report
@@ -687,8 +755,8 @@ def main(argv=None):
     t0 = time.time()
     try:
         check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
-        if a.needles and a.procedure != "joint":
-            raise UsageError("needle prompts in the calibration set are for --procedure joint only")
+        if a.needles and a.procedure == "paper":
+            raise UsageError("needle prompts in the calibration set are for the joint procedures only")
         for f in filter(None, (a.out, a.plot)):      # before minutes of probes, not after
             if not Path(f).resolve().parent.is_dir():
                 raise UsageError(f"cannot write {f!r}: no such folder")
@@ -699,7 +767,7 @@ def main(argv=None):
             pol = calibrate(m, tok, a.budget, a.seed, preference=a.preference,
                             sensitivity=a.sensitivity, b_min=b_min, **common)
         else:
-            pol = calibrate_joint(m, tok, a.budget, a.seed, signal=a.signal, needles=a.needles, **common)
+            pol = PROCEDURES[a.procedure](m, tok, a.budget, a.seed, signal=a.signal, needles=a.needles, **common)
     except UsageError as e:
         sys.exit(f"error: {e}")
     try:

@@ -133,6 +133,44 @@ def calibration_needles(tok, n: int, prompt_tokens: int, seed: int = 0) -> list:
     return out
 
 
+FACT = "The special magic number for {key} is: {value}."
+FACT_QUESTION = ("\n\nWhat is the special magic number for {key} mentioned in the provided text? "
+                 "The special magic number for {key} mentioned in the provided text is")
+
+
+def calibration_facts(tok, n: int, prompt_tokens: int, seed: int = 0, n_facts: int = 4,
+                      first_index: int = 2) -> list:
+    """n retrieval probes (prompt_ids, answer_ids) made of *dev* text only: a dev passage (the
+    windows `calibration_texts` would take next, index first_index, first_index + 1, ...; the
+    calibration texts take 0, 1) with n_facts keyed facts (FACT: a word-pair key, a 7-digit
+    value, as RULER's niah_single_1 needle) planted at line boundaries drawn from the seed, then
+    a question about one of them in RULER's wording (FACT_QUESTION); the answer is " {value}.".
+    Each prompt holds at most prompt_tokens tokens; the passage is cut to fit."""
+    pool, out = word_pool(), []
+    for i in range(n):
+        rng = random.Random(f"facts/{seed}/{i}")
+        keys = [f"{rng.choice(pool)}-{rng.choice(pool)}" for _ in range(n_facts)]
+        values = [str(rng.randint(10 ** 6, 10 ** 7 - 1)) for _ in keys]
+        asked = rng.randrange(n_facts)
+        fractions = [rng.random() for _ in keys]
+        question = FACT_QUESTION.format(key=keys[asked])
+        n_body = prompt_tokens
+        while True:
+            passage = _window(tok, "dev", n_body, 0, seed, first_index + i)[0]
+            bos = getattr(tok, "bos_id", None)
+            prefix, body = (passage[:1], passage[1:]) if bos is not None and passage[:1] == [bos] else ([], passage)
+            lines = tok.decode(body).split("\n")
+            facts = [FACT.format(key=k, value=v) for k, v in zip(keys, values)]
+            ids = prefix + _body(tok, "\n".join(_insert(lines, facts, fractions)) + question)[1]
+            if len(ids) <= prompt_tokens:
+                break
+            n_body -= len(ids) - prompt_tokens
+        full = tok.encode(tok.decode(ids) + f" {values[asked]}.")
+        answer = full[len(ids):] if full[:len(ids)] == ids else _body(tok, f" {values[asked]}.")[1]
+        out.append((ids, answer))
+    return out
+
+
 def ruler_seed(split: str, seed: int) -> int:
     """RULER-style samples: dev uses the seed as given, test the seed + 1000 (other needles,
     keys and depths than any dev run with seeds below 1000)."""

@@ -84,5 +84,53 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     assert "layers changed per sweep" in C.table_joint(pol)
     with pytest.raises(M.UsageError, match="procedure"):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="nope")
-    with pytest.raises(SystemExit, match="joint only"):
+    with pytest.raises(SystemExit, match="joint procedures only"):
         C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])
+
+
+@torch.no_grad()
+def naive_probe(m, probes, policy) -> float:
+    """A retrieval probe's answer ΔNLL per token (answer tokens 1..n−1), full-model runs as naive_kl."""
+    out = []
+    for p, a in probes:
+        p, a = torch.tensor([p]), torch.tensor([a])
+        ref = m.step(torch.cat((p, a), 1), m.new_cache())[0, p.shape[1]:].float().log_softmax(-1)
+        got = m.step(a, P.prefill(m, p, policy))[0].float().log_softmax(-1)           # (n, V)
+        tgt = a[0, 1:, None]
+        out.append(float((ref[:-1].gather(1, tgt) - got[:-1].gather(1, tgt)).mean()))
+    return sum(out) / len(out)
+
+
+@pytest.mark.parametrize("retrieval", ["constraint", 0.05])
+@settings(max_examples=2, deadline=None)
+@given(seed=st.integers(0, 100))
+def test_retrieval_objective_equals_naive_runs(seed, retrieval):
+    """With retrieval probes: every probe loss the file records, and the final policy's KL and
+    probe loss, equal naive full-model runs; under the constraint the start and the final policy
+    are admissible (probe loss <= τ, the best uniform rule's)."""
+    m, tx = tiny(seed), texts(seed)
+    g = torch.Generator().manual_seed(seed + 7)
+    probes = [(torch.randint(1, 50, (40,), generator=g).tolist(), torch.randint(1, 50, (5,), generator=g).tolist())
+              for _ in range(2)]
+    L = m.config.n_layers
+    pol = C.calibrate_joint(m, None, B, texts=tx, probe_pairs=probes, retrieval=retrieval, settings=SET)
+    sig = pol.meta["signals"]
+    for r in P.pool():
+        assert sig["uniform_probe"][r] == pytest.approx(naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET)),
+                                                        rel=1e-4, abs=1e-7)
+    assert sig["final"]["kl"] == pytest.approx(naive_kl(m, tx, pol), rel=1e-4, abs=1e-7)
+    assert sig["final"]["probe"] == pytest.approx(naive_probe(m, probes, pol), rel=1e-4, abs=1e-7)
+    assert pol.meta["calibration"]["probes"] == 2 and pol.meta["calibration"]["retrieval"] == retrieval
+    if retrieval == "constraint":
+        assert sig["tau"] == min(sig["uniform_probe"].values())
+        assert sig["uniform_probe"][sig["start"]] <= sig["tau"] + 1e-12
+        assert sig["final"]["probe"] <= sig["tau"] + 1e-9
+        last = sig["sweeps"][-1]                       # each layer kept the best admissible rule
+        for l, (sc, pr) in enumerate(zip(last["scores"], last["probe_scores"])):
+            kept = sig["rules"][l]
+            assert pr[kept] <= sig["tau"] + 1e-12
+            assert sc[kept] <= min(sc[r] for r in pr if pr[r] <= sig["tau"] + 1e-12) + 1e-12
+    else:                                              # the weighted start: KL + w·probe
+        w = retrieval
+        assert sig["start"] == min(P.pool(), key=lambda r: sig["uniform_kl"][r] + w * sig["uniform_probe"][r])
+

@@ -474,3 +474,20 @@ def test_calibration_needles_are_dev_needles(tok):
         test = tasks.RULER_TASKS["niah_single_1"](tok, 600, tasks.ruler_seed("test", 0), i)
         assert tok.decode(ids) == tok.decode(tok.encode(dev.prompt))
         assert dev.answers[0] in tok.decode(answer) and test.answers[0] not in tok.decode(ids)
+
+
+def test_retrieval_probes_come_from_dev_text_only(tok):
+    """calibration_facts: every whole paragraph of a probe's passage is dev text and none is a
+    paragraph of the test text (single sentences do recur across topics); the answer is the
+    value of the one fact asked about, planted in the prompt."""
+    test_paragraphs = set(tasks.source_text("test").split("\n\n"))
+    dev = tasks.source_text("dev")
+    for ids, ans in tasks.calibration_facts(tok, 3, 2400, seed=0):
+        text, value = tok.decode(ids), tok.decode(ans).strip().rstrip(".")
+        assert len(ids) <= 2400 and value.isdigit() and len(value) == 7
+        key = text.rsplit("special magic number for ", 1)[1].split(" mentioned")[0]
+        assert tasks.FACT.format(key=key, value=value) in text
+        body = text.split("\n\nWhat is the special magic number for")[0]
+        body = "\n".join(l for l in body.split("\n") if not l.startswith("The special magic number for"))
+        paragraphs = body.split("\n\n")[1:-1]                 # whole paragraphs (the ends are cut)
+        assert paragraphs and all(q in dev and q not in test_paragraphs for q in paragraphs)

@@ -1,6 +1,6 @@
 """Regenerate tests/golden/kvpress_kept.json: the kept sets of NVIDIA kvpress's own presses on a
 tiny random Llama, for tests/test_oracle.py to compare with this project's kvpress conventions
-(rules.KVPRESS). Not part of the test suite; it needs kvpress and transformers, which the project
+(polykv.KVPRESS). Not part of the test suite; it needs kvpress and transformers, which the project
 does not depend on:
 
     python -m venv /tmp/kvenv --system-site-packages && /tmp/kvenv/bin/pip install kvpress==0.5.5
