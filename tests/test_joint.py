@@ -134,3 +134,43 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
         w = retrieval
         assert sig["start"] == min(P.pool(), key=lambda r: sig["uniform_kl"][r] + w * sig["uniform_probe"][r])
 
+
+
+def test_shuffled_routes_keep_counts_and_budgets():
+    m = tiny(3)
+    pol = C.calibrate_joint(m, None, B, texts=texts(3), settings=SET)
+    routes = C.shuffled(pol, 6, seed=1)
+    pairs = sorted((lp.prefill.rule, lp.decode.rule) for lp in pol.layers)
+    for r in routes:
+        assert sorted((lp.prefill.rule, lp.decode.rule) for lp in r.layers) == pairs
+        assert [(lp.prefill.budget, lp.decode.budget) for lp in r.layers] == \
+            [(lp.prefill.budget, lp.decode.budget) for lp in pol.layers]
+    assert [r.layers for r in C.shuffled(pol, 6, seed=1)] == [r.layers for r in routes]
+
+
+@torch.no_grad()
+def naive_harness_kl(m, tx, policy) -> float:
+    """evaluate.py's fidelity KL, naively: the n rows after the prompt and after each of the first
+    n − 1 continuation tokens (the first row is the full-attention prefill's, for both)."""
+    kls = []
+    for p, c in tx:
+        p, c = torch.tensor([p]), torch.tensor([c])
+        ref = m.step(torch.cat((p, c[:, :-1]), 1), m.new_cache())[0, p.shape[1] - 1:].float().log_softmax(-1)
+        cache = P.prefill(m, p, policy)
+        got = torch.cat((cache.last_logits, m.step(c[:, :-1], cache)[0])).float().log_softmax(-1)   # (n, V)
+        kls.append(float((ref.exp() * (ref - got)).sum(-1).clamp_min(0).mean()))
+    return sum(kls) / len(kls)
+
+
+def test_placement_control_scores_equal_naive_runs():
+    """Every route's KL is a naive full-model run of it (at equal memory: the continuation is
+    within its decode budgets), and the rank counts the shuffled routes at or below the route."""
+    m, tx = tiny(4), texts(4)
+    L = m.config.n_layers
+    pol = C.policy_of(["tova", "snapkv", "streaming"][:L], [B] * L, SET)
+    res = C.placement_control(m, None, pol, n=5, texts=tx, seed=2)
+    routes = [pol] + C.shuffled(pol, 5, seed=2)
+    want = [naive_harness_kl(m, tx, r.with_allowance(8)) for r in routes]
+    assert res["route_kl"] == pytest.approx(want[0], rel=1e-4, abs=1e-7)
+    assert res["shuffled_kl"] == pytest.approx(want[1:], rel=1e-4, abs=1e-7)
+    assert res["rank"] == 1 + sum(w <= res["route_kl"] for w in res["shuffled_kl"])
