@@ -2,7 +2,7 @@
 
 `python bench.py` on the embedded model, natural-text prompts from the test split:
 1. observation: the plain FullKV prefill of a `--length`-token prompt vs the shared prefill that
-   observes for every default method at once (methods.observe_for: column sums, window sums,
+   observes for every default method at once (polykv.observe_for: column sums, window sums,
    last row, GraceKV's probes and value flow), and each method's compression at `--budget`;
 2. decoding: FullKV ms per generated token at 128, 2K and 8K tokens of context, and SnapKV at
    B = 512 after the 8K prompt next to FullKV at the same 512 + window context;

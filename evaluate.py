@@ -113,7 +113,7 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None) ->
         return P.Policy.uniform(name, budget, n_layers, decode, s)
     raise UsageError(f"unknown method {name!r}; choose from {', '.join(all_methods())}")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
-# full cache at the default length (README: measured FullKV scores and why the others are out)
+# full cache at the default length (docs/results.md, "Earlier analyses": FullKV's scores)
 DEFAULT_RULER = ("niah_single_1",)
 
 

@@ -765,7 +765,7 @@ VARIANTS = {"gracekv": {},
             "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
             "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # value flow without propagation
             # a large floor: 95 % of the budget on exact tokens ranked by ω·R, the trees refine
-            # the rest (the strongest GraceKV on the embedded model)
+            # the rest (ties gracekv on fidelity, loses answers at B = 128: docs/gracekv.md)
             "gracekv-floor": {"floor_frac": 0.95, "rank_adds": rank_by_gain},
             "gracekv-exact": {"floor_frac": 1.0}}                 # no trees: every entry an exact token
 

@@ -15,7 +15,7 @@ always use their true positions. Unlike the original StreamingLLM code, kept key
 re-rotated to new positions.
 
 Three hook points per layer (plain callables, see `Hooks`): pre-kernel, post-kernel and cache
-update. With no hooks the model is plain FullKV. Observation (methods.observe) and eviction
+update. With no hooks the model is plain FullKV. Observation (polykv.observe) and eviction
 while decoding (a method's `decoder`) plug in there.
 
 Weights: Hugging Face folders (`load(path)`) or the embedded default, SmolLM2-135M-Instruct,

@@ -1,4 +1,4 @@
-"""A spec oracle for faster implementations: dump what a method keeps, compare two dumps.
+"""A reference oracle for faster implementations: dump what a method keeps, compare two dumps.
 
 A faster implementation of a rule (a Triton kernel, a serving engine's eviction code) is checked
 against this one through a *reference file*: for one model, prompt, method and budget,
