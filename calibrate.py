@@ -346,8 +346,13 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}
-        diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in kw.items()
-                if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len") and have.get(k) != v]
+        asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw}       # the procedure's own
+        if procedure != "paper":                 # a joint file without them: the text-only objective
+            have = {"probes": 0, "retrieval": None, **have}
+            asked = {"probes": 4, "retrieval": "constraint", **asked}
+        diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items()
+                if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes", "retrieval")
+                and have.get(k) != v]
         if diff:
             raise UsageError(f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it to recalibrate")
         return policy
@@ -396,8 +401,8 @@ VARIANTS = {"polykv": ("paper", lambda p: p),
             "polykv-joint": ("joint", lambda p: p),
             "polykv-joint-pattern": ("joint", pattern_only),
             "polykv-joint-budget": ("joint", budget_from_best),
-            "polykv-joint-constraint": ("joint-constraint", lambda p: p),
-            "polykv-joint-weighted": ("joint-weighted", lambda p: p)}
+            "polykv-joint-text": ("joint-text", lambda p: p),          # the text-only objective
+            "polykv-joint-weighted": ("joint-weighted", lambda p: p)}  # text + 0.1 · probe loss
 
 
 # ============================================================================= past the paper: the joint calibration
@@ -627,8 +632,8 @@ def table_joint(policy: Policy) -> str:
 
 
 def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
-                    cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = 0,
-                    retrieval=None, settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
+                    cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = 4,
+                    retrieval="constraint", settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
                     model_name: str = "", log=None) -> Policy:
     """The joint procedure on the calibration set (texts: as in `calibrate`). needles: that
     many dev-split niah_single_1 prompts join the texts, their gold answer as the continuation.
@@ -648,9 +653,9 @@ def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, 
 # calibration procedures by name (--procedure; a policy file's name carries it): the paper's,
 # and the joint one with each objective
 PROCEDURES = {"paper": calibrate,
-              "joint": calibrate_joint,
-              "joint-constraint": functools.partial(calibrate_joint, probes=4, retrieval="constraint"),
-              "joint-weighted": functools.partial(calibrate_joint, probes=4, retrieval=0.1)}
+              "joint": calibrate_joint,                                             # the default
+              "joint-text": functools.partial(calibrate_joint, probes=0, retrieval=None),
+              "joint-weighted": functools.partial(calibrate_joint, retrieval=0.1)}
 
 
 # ----------------------------------------------------------------------------- the placement control

@@ -74,7 +74,7 @@ def test_joint_scores_equal_naive_runs(seed, signal):
 
 def test_joint_policy_file_records_its_procedure(tmp_path):
     m, tx = tiny(1), texts(1)
-    pol = C.calibrate_joint(m, None, B, texts=tx, settings=SET)
+    pol = C.calibrate_joint(m, None, B, texts=tx, settings=SET, probes=0, retrieval=None)
     assert pol.meta["procedure"] == "joint" and pol.meta["best_uniform"] in P.pool()
     f = tmp_path / "p.json"
     pol.save(f)
@@ -84,6 +84,13 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     assert "layers changed per sweep" in C.table_joint(pol)
     with pytest.raises(M.UsageError, match="procedure"):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="nope")
+    # a text-only joint policy is the file of `joint-text`; under the name of `joint` (whose
+    # objective uses retrieval probes) it is refused, never silently reused
+    pol.save(C.policy_path("x", B, 0, tmp_path, "joint-text"))
+    assert C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text").layers == pol.layers
+    pol.save(C.policy_path("x", B, 0, tmp_path, "joint"))
+    with pytest.raises(M.UsageError, match="retrieval=None \\(asked 'constraint'\\)"):
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint")
     with pytest.raises(SystemExit, match="joint procedures only"):
         C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])
 
@@ -138,7 +145,7 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
 
 def test_shuffled_routes_keep_counts_and_budgets():
     m = tiny(3)
-    pol = C.calibrate_joint(m, None, B, texts=texts(3), settings=SET)
+    pol = C.calibrate_joint(m, None, B, texts=texts(3), settings=SET, probes=0, retrieval=None)
     routes = C.shuffled(pol, 6, seed=1)
     pairs = sorted((lp.prefill.rule, lp.decode.rule) for lp in pol.layers)
     for r in routes:
