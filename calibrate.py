@@ -11,7 +11,10 @@ per layer and rule), the construction (pattern choice, budget allocation), the f
 the ablations as a table (`VARIANTS`), and, clearly marked, the joint calibration that is *not*
 the paper's (`calibrate_joint`, `--procedure joint`). It sits in this file, after the paper's
 procedure, because it reuses every piece of it (the reference pass, the pool, the allocation)
-and differs in one idea: score each choice with the other layers already compressed.
+and differs in one idea: score each choice with the other layers already compressed (its
+objective: the calibration text's score under a retrieval constraint, `Objective`). Last, the
+placement control of the paper's later version (`placement_control`, `--shuffle N`); the
+tables and plots of a policy file are in support/policy_tables.py.
 
 Notation: B the average budget, T prompt tokens, n continuation tokens, H query heads,
 D head dim, L layers, s_l a layer's budget-sensitivity signal.
@@ -75,6 +78,7 @@ from polykv import LayerPolicy, Policy, RuleSettings, largest_remainder
 from support import tasks
 from support.errors import UsageError
 from support.files import write_atomic
+from support.policy_tables import describe, plot
 
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
 TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
@@ -429,11 +433,8 @@ VARIANTS = {"polykv": ("paper", lambda p: p),
 #             the compressed background (the paper's signal, measured where it will be used);
 #   "kl":     KL(FullKV ‖ policy) of the held-out continuation, mean over its n positions and the
 #             prompts: Σ_v p(v) (log p(v) − log q(v)), the harness's fidelity metric (evaluate.compare).
-# [choice: cosine, measured on dev] The end-to-end KL of 2 × 64 calibration tokens is the more
-# direct objective but overfits them: on the dev split (seed 2, 6 + 6 prompts, equal memory) the
-# KL-scored policy reached fidelity KL 0.232 / 0.025 at B = 128 / 512 and lost every needle at
-# 128; the cosine-scored one 0.165 / 0.022 with needles 83 % / 100 % (SnapKV 0.237 / 0.065,
-# 67 % / 67 %). The starting rule and the budget step are scored by the KL in both.
+# [choice: cosine, on dev (docs/polykv.md): the end-to-end KL of 2 × 64 tokens overfits them and
+# lost every dev needle at B = 128]. The starting rule and the budget step are scored by the KL.
 #
 # Cost: one FullKV prefill per prompt (`reference`) and one compression per pool rule;
 # a candidate for layer l re-runs only layers l..L−1 of the n continuation tokens (layers < l see
@@ -617,20 +618,6 @@ def build_joint(sig: dict, budget: int, settings: RuleSettings = RuleSettings(),
                       "best_uniform": sig["start"]})
 
 
-def table_joint(policy: Policy) -> str:
-    """One line per layer: the chosen rule and budget, and each rule's score in the last sweep
-    (KL, or −cosine with signal = cosine) with the other layers as chosen before it."""
-    sig = policy.meta["signals"]
-    last = sig["sweeps"][-1]["scores"]
-    pool = list(last[0])                     # the pool the sweeps scored
-    head = f"{'layer':>5} {'rule':>9} {'budget':>6} | " + " ".join(f"{r:>9}" for r in pool)
-    rows = [head] + [f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>6} | "
-                     + " ".join(f"{last[l][r]:>9.5f}" for r in pool) for l, lp in enumerate(policy.layers)]
-    changed = [len(s["changed"]) for s in sig["sweeps"]]
-    rows.append(f"start: uniform {sig['start']}; layers changed per sweep {changed}; {sig['seconds']} s")
-    return "\n".join(rows)
-
-
 def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
                     cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = 4,
                     retrieval="constraint", settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
@@ -708,65 +695,6 @@ def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "de
             "shuffled_kl": mean[1:], "rank": 1 + sum(m <= mean[0] for m in mean[1:]), "per_prompt": kls}
 
 
-# ----------------------------------------------------------------------------- report
-
-def table(policy: Policy) -> str:
-    """One line per layer: the chosen rules and budgets, and the signals behind them."""
-    sig = policy.meta["signals"]
-    pool, dpool = list(sig["prefill"]["cosine"]), list(sig["decode"]["cosine"])   # as measured
-    ab = {r: r[:4] for r in pool}
-    head = (f"{'layer':>5} {'prefill':>9} {'b_pre':>5} {'decode':>9} {'b_dec':>5} {'entropy':>7} | "
-            + " ".join(f"{'cos.' + ab[r]:>9}" for r in pool) + f" {'ΔPPLmax':>8} | "
-            + " ".join(f"{'dcos.' + ab[r]:>9}" for r in dpool) + f" {'ΔPPLmax':>8}")
-    rows = [head]
-    for l, lp in enumerate(policy.layers):
-        worst = lambda ph: max(d[l] for d in sig[ph]["dppl"].values())
-        rows.append(f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>5} {lp.decode.rule:>9} {lp.decode.budget:>5} "
-                    f"{sig['entropy'][l]:>7.3f} | "
-                    + " ".join(f"{sig['prefill']['cosine'][r][l]:>9.5f}" for r in pool)
-                    + f" {worst('prefill'):>8.4f} | "
-                    + " ".join(f"{sig['decode']['cosine'][r][l]:>9.5f}" for r in dpool)
-                    + f" {worst('decode'):>8.4f}")
-    return "\n".join(rows)
-
-
-def describe(policy: Policy) -> str:
-    """The per-layer table of a calibrated policy, whichever procedure made it ("" if none)."""
-    if policy.meta.get("procedure") == "joint":
-        return table_joint(policy)
-    return table(policy) if "signals" in policy.meta else ""
-
-
-def plot(policies, path) -> str:
-    """Bars: prefill budget per layer, coloured by the prefill rule; one panel per policy (a
-    Policy or a list of them, e.g. the paper's and the joint procedure's). Needs matplotlib."""
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot written"
-    policies = [policies] if isinstance(policies, Policy) else list(policies)
-    # one colour per rule, from the registry now and the rules the policies use (any count)
-    names = list(dict.fromkeys(list(polykv.pool()) + [lp.prefill.rule for p in policies for lp in p.layers]))
-    cmap = plt.get_cmap("tab10" if len(names) <= 10 else "tab20")
-    colour = {r: cmap(i % cmap.N) for i, r in enumerate(names)}
-    fig, axes = plt.subplots(1, len(policies), figsize=(7 * len(policies), 3.5), squeeze=False)
-    for ax, policy in zip(axes[0], policies):
-        for l, lp in enumerate(policy.layers):
-            ax.bar(l, lp.prefill.budget, color=colour.get(lp.prefill.rule, "grey"))
-        ax.axhline(policy.budget, color="grey", ls="--", lw=1, label=f"B = {policy.budget}")
-        for r in dict.fromkeys(lp.prefill.rule for lp in policy.layers):
-            ax.bar(0, 0, color=colour[r], label=r)
-        ax.set(xlabel="layer", ylabel="prefill budget (entries per KV head)",
-               title=f"PolyKV ({policy.meta.get('procedure', 'paper')}): {policy.meta.get('model', '')}, "
-                     f"B = {policy.budget}")
-        ax.legend(ncol=3, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    return f"wrote {path}"
-
-
 def main(argv=None):
     import argparse
     ap = argparse.ArgumentParser(description="Calibrate a PolyKV policy (the paper's procedure, or --procedure joint).")
@@ -805,7 +733,7 @@ def main(argv=None):
         for f, pol in zip(a.show, pols):
             print(f"{f}:\n{describe(pol)}")
         if a.plot:
-            print(plot(pols, a.plot))
+            print(plot(pols, a.plot, polykv.pool()))
         if a.shuffle:
             torch.set_num_threads(max(1, a.threads))
             m, tok = M.load(a.model)
@@ -858,7 +786,7 @@ def main(argv=None):
     print(f"wrote {a.out} in {time.time() - t0:.0f} s")
     if a.plot:
         try:
-            print(plot(pol, a.plot))
+            print(plot([pol], a.plot, polykv.pool()))
         except OSError as e:
             sys.exit(f"error: cannot write {a.plot!r}: {e.strerror}")
 

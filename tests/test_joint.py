@@ -8,6 +8,7 @@ from hypothesis import example, given, settings, strategies as st
 import calibrate as C
 import model as M
 import polykv as P
+from support import policy_tables
 from test_calibrate import SET, B, one_thread, texts, tiny  # noqa: F401  (fixture)
 
 
@@ -81,7 +82,7 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     again = P.Policy.load(f, n_layers=m.config.n_layers)
     assert again.layers == pol.layers and again.meta["signals"]["rules"] == [lp.prefill[0] for lp in pol.layers]
     assert C.policy_path("x", 64, 0, tmp_path, "joint") != C.policy_path("x", 64, 0, tmp_path)
-    assert "layers changed per sweep" in C.table_joint(pol)
+    assert "layers changed per sweep" in policy_tables.table_joint(pol)
     with pytest.raises(M.UsageError, match="procedure"):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="nope")
     # a text-only joint policy is the file of `joint-text`; under the name of `joint` (whose
