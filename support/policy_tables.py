@@ -29,6 +29,15 @@ def describe(policy) -> str:
     return table(policy) if "signals" in policy.meta else ""
 
 
+def procedure(policy) -> str:
+    """The procedure that made a policy, with the joint procedure's objective."""
+    name = policy.meta.get("procedure", "paper")
+    if name == "joint":
+        r = policy.meta.get("calibration", {}).get("retrieval")
+        name += ", text only" if r is None else f", retrieval {r}"
+    return name
+
+
 def plot(policies: list, path, pool=()) -> str:
     """Bars: prefill budget per layer, coloured by the prefill rule; one panel per policy (e.g.
     the paper's and the joint procedure's). pool: the rules to give colours first (the
@@ -51,8 +60,7 @@ def plot(policies: list, path, pool=()) -> str:
         for r in dict.fromkeys(lp.prefill.rule for lp in policy.layers):
             ax.bar(0, 0, color=colour[r], label=r)
         ax.set(xlabel="layer", ylabel="prefill budget (entries per KV head)",
-               title=f"PolyKV ({policy.meta.get('procedure', 'paper')}): {policy.meta.get('model', '')}, "
-                     f"B = {policy.budget}")
+               title=f"PolyKV ({procedure(policy)}): {policy.meta.get('model', '')}, B = {policy.budget}")
         ax.legend(ncol=3, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
