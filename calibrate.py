@@ -353,7 +353,7 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
         asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw}       # the procedure's own
         if procedure != "paper":                 # a joint file without them: the text-only objective
             have = {"probes": 0, "retrieval": None, **have}
-            asked = {"probes": 4, "retrieval": "constraint", **asked}
+            asked = {"probes": JOINT_PROBES, "retrieval": JOINT_RETRIEVAL, **asked}
         diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items()
                 if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes", "retrieval")
                 and have.get(k) != v]
@@ -618,9 +618,12 @@ def build_joint(sig: dict, budget: int, settings: RuleSettings = RuleSettings(),
                       "best_uniform": sig["start"]})
 
 
+JOINT_PROBES, JOINT_RETRIEVAL = 4, "constraint"   # the default objective (docs/polykv.md, dev table)
+
+
 def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
-                    cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = 4,
-                    retrieval="constraint", settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
+                    cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = JOINT_PROBES,
+                    retrieval=JOINT_RETRIEVAL, settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
                     model_name: str = "", log=None) -> Policy:
     """The joint procedure on the calibration set (texts: as in `calibrate`). needles: that
     many dev-split niah_single_1 prompts join the texts, their gold answer as the continuation.
@@ -661,14 +664,6 @@ def shuffled(policy: Policy, n: int, seed: int = 0) -> list:
                    policy.budget, policy.settings, {"shuffled": k, "seed": seed}) for k in range(n)]
 
 
-def teacher_forced(model, cache, cont, decoder=None) -> torch.Tensor:
-    """log p (n, V) fp32 of the n positions of cont (1, n) after the cache's prompt: the first row
-    the prefill's own, then cont[:, :-1] fed in one step (token by token when decoder evicts)."""
-    steps = [slice(i, i + 1) for i in range(cont.shape[1] - 1)] if decoder else [slice(0, cont.shape[1] - 1)]
-    rows = [cache.last_logits[:, None]] + [M.decode(model, cont[:, s], cache, decoder) for s in steps]
-    return torch.log_softmax(torch.cat(rows, 1)[0].float(), -1)
-
-
 @torch.no_grad()
 def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "dev", n_prompts: int = 4,
                       prompt_len: int = 2048, cont_len: int = 64, seed: int = 0, texts=None, log=None) -> dict:
@@ -683,10 +678,11 @@ def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "de
     for i, (p, c) in enumerate(texts):
         x, cont = torch.tensor([p], device=model.device), torch.tensor([c], device=model.device)
         full, obs = polykv.observe_for(model, x, routes)                     # one prefill for all
-        ref = teacher_forced(model, full.fork(), cont)
+        ref = M.teacher_force(model, full.fork(), cont)[0]
         for j, r in enumerate(routes):
             dec = r.decoder if r.evicts_within(len(p), len(c)) else None
-            kls[j].append(kl(ref, teacher_forced(model, r.compress(model, full, obs), cont, dec)))
+            lp = M.teacher_force(model, r.compress(model, full, obs), cont, dec, dec is not None)[0]
+            kls[j].append(kl(ref, lp))
         if log:
             log(f"placement control, {split} prompt {i + 1}/{len(texts)}")
     mean = [sum(k) / len(k) for k in kls]

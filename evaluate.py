@@ -130,21 +130,6 @@ class Item:
     target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
 
 
-def teacher_force(model, cache, target, decoder=None, stepwise=False):
-    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32 (the first row is the prefill's),
-    and the cache's peak (real entries, allocated slots) between steps.
-
-    stepwise: feed one token per step (needed when a decoder evicts); FullKV and every method
-    of an item take the same path (docs/protocol.md, "Same numerical path")."""
-    n = target.shape[1]
-    steps = [slice(i, i + 1) for i in range(n - 1)] if stepwise else [slice(0, n - 1)] * (n > 1)
-    rows, entries, slots = [cache.last_logits[:, None]], cache.entries(), cache.allocated()
-    for s in steps:
-        rows.append(M.decode(model, target[:, s], cache, decoder))          # (1, |s|, V)
-        entries, slots = max(entries, cache.entries()), max(slots, cache.allocated())
-    return torch.log_softmax(torch.cat(rows, 1)[0].float(), -1), (entries, slots)   # (n, V)
-
-
 def compare(ref_lp, lp, target) -> tuple:
     """KL(FullKV ‖ method), ΔNLL and top-1 agreement (%) over the n teacher-forced positions."""
     tgt = target[0].to(lp.device)
@@ -237,7 +222,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     if item.target is not None:
         n = item.target.shape[1]
         stepwise = any(m.evicts_within(T, n) for m in made.values())
-        ref_lp, (ref_entries, ref_slots) = teacher_force(model, full.fork(), item.target, None, stepwise)
+        ref_lp, (ref_entries, ref_slots) = M.teacher_force(model, full.fork(), item.target, None, stepwise)
     L, G = model.config.n_layers, model.config.n_kv_heads
     out = []
     for (name, budget), method in made.items():
@@ -247,7 +232,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
         r = Row(result_key(name, budget, item), name, budget, item.task, item.length, item.index, T,
                 kv_fraction=cache.entries() / (L * G * T), compress_s=round(t_c, 4), prefill_s=round(t_p, 4))
         if item.target is not None:
-            lp, (entries, slots) = teacher_force(model, cache.fork(), item.target,
+            lp, (entries, slots) = M.teacher_force(model, cache.fork(), item.target,
                                                  method.decoder if stepwise else None, stepwise)
             r.kl, r.dnll, r.top1 = compare(ref_lp, lp, item.target)
             # memory while decoding, vs FullKV after the same tokens: real entries and allocated

@@ -504,6 +504,22 @@ def decode(model: Llama, tokens: torch.Tensor, cache: Cache, decoder: Optional[H
     return torch.cat(out, dim=1)
 
 
+def teacher_force(model: Llama, cache: Cache, target: torch.Tensor, decoder: Optional[Hooks] = None,
+                  stepwise: bool = False):
+    """log p(· | prompt, target[:i]) for i < n: (n, V) fp32 (the first row is the prefill's),
+    and the cache's peak (real entries, allocated slots) between steps.
+
+    stepwise: feed one token per step (needed when a decoder evicts); FullKV and every method
+    of an item take the same path (docs/protocol.md, "Same numerical path")."""
+    n = target.shape[1]
+    steps = [slice(i, i + 1) for i in range(n - 1)] if stepwise else [slice(0, n - 1)] * (n > 1)
+    rows, entries, slots = [cache.last_logits[:, None]], cache.entries(), cache.allocated()
+    for s in steps:
+        rows.append(decode(model, target[:, s], cache, decoder))            # (1, |s|, V)
+        entries, slots = max(entries, cache.entries()), max(slots, cache.allocated())
+    return torch.log_softmax(torch.cat(rows, 1)[0].float(), -1), (entries, slots)   # (n, V)
+
+
 # ----------------------------------------------------------------------------- checkpoints
 
 default_model_dir = checkpoint.default_model_dir

@@ -10,6 +10,8 @@ intervals. A difference whose interval contains 0 is a tie.
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 
 LOWER_IS_BETTER = {"kl", "dnll"}
@@ -286,7 +288,6 @@ def main(argv=None):
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
     if a.versus:
-        from pathlib import Path
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
             sys.exit(f"error: --versus needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
@@ -295,7 +296,6 @@ def main(argv=None):
             sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
         print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
     if a.plot:
-        from pathlib import Path
         try:
             import matplotlib  # noqa: F401
         except ImportError:

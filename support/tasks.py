@@ -86,11 +86,15 @@ def word_pool() -> list:
     return sorted(set(re.findall(r"\b[a-z]{4,12}\b", " ".join(topics[k] for k in sorted(topics)))))
 
 
-def _body(tok, text: str):
-    """(prefix, ids): the tokenizer's leading BOS if it adds one (Llama-3 does), and the rest."""
-    ids = tok.encode(text)
+def _split_bos(tok, ids: list):
+    """(prefix, rest) of token ids: the tokenizer's leading BOS if it adds one (Llama-3 does)."""
     bos = getattr(tok, "bos_id", None)
     return (ids[:1], ids[1:]) if bos is not None and ids[:1] == [bos] else ([], ids)
+
+
+def _body(tok, text: str):
+    """(prefix, ids) of a text: its leading BOS if the tokenizer adds one, and the rest."""
+    return _split_bos(tok, tok.encode(text))
 
 
 def _window(tok, split, prompt_tokens, cont_tokens, seed, index):
@@ -156,9 +160,7 @@ def calibration_facts(tok, n: int, prompt_tokens: int, seed: int = 0, n_facts: i
         question = FACT_QUESTION.format(key=keys[asked])
         n_body = prompt_tokens
         while True:
-            passage = _window(tok, "dev", n_body, 0, seed, first_index + i)[0]
-            bos = getattr(tok, "bos_id", None)
-            prefix, body = (passage[:1], passage[1:]) if bos is not None and passage[:1] == [bos] else ([], passage)
+            prefix, body = _split_bos(tok, _window(tok, "dev", n_body, 0, seed, first_index + i)[0])
             lines = tok.decode(body).split("\n")
             facts = [FACT.format(key=k, value=v) for k, v in zip(keys, values)]
             ids = prefix + _body(tok, "\n".join(_insert(lines, facts, fractions)) + question)[1]

@@ -180,10 +180,10 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
         cache = pol.compress(m, full, obs)
         assert cache.allocated() == cache.entries() == L * G * 16
         assert not pol.evicts_within(60, 9) and P.Policy.uniform("tova", 16, L).evicts_within(60, 9)
-        _, peak = E.teacher_force(m, cache, cont, pol.decoder, stepwise=True)
+        _, peak = M.teacher_force(m, cache, cont, pol.decoder, stepwise=True)
         peaks.append(peak)
     assert peaks[0] == peaks[1] == (L * G * (16 + 8), L * G * (16 + 8))
-    _, evicting = E.teacher_force(m, P.Policy.uniform("tova", 16, L).compress(m, full, obs), cont,
+    _, evicting = M.teacher_force(m, P.Policy.uniform("tova", 16, L).compress(m, full, obs), cont,
                                   P.Policy.uniform("tova", 16, L).decoder, stepwise=True)
     assert evicting == (L * G * 16, L * G * 16)                       # the paper's protocol
 
