@@ -75,19 +75,24 @@ from support.files import read_rows, write_atomic
 # baseline and a pool rule at once.
 
 def uniform_methods() -> tuple:
-    """FullKV, every registered rule (polykv.RULES) and PyramidKV's schedule; random last."""
-    return ("full",) + tuple(n for n in P.RULES if n != "random") + ("pyramidkv",) + \
-        (("random",) if "random" in P.RULES else ())
+    """The standalone methods: FullKV, every registered rule (polykv.RULES; a rule that also names
+    an allocation, as kvzip, runs at one budget per head as RULE-uniform), PyramidKV's schedule and
+    the head-wise allocations (polykv.ALLOCATIONS: adakv, kvzip); random last."""
+    rules = tuple(f"{n}-uniform" if n in P.ALLOCATIONS else n for n in P.RULES if n != "random")
+    return ("full",) + rules + ("pyramidkv",) + tuple(P.ALLOCATIONS) + (("random",) if "random" in P.RULES else ())
 
 
 def baselines() -> tuple:
-    """The standalone methods a calibrated policy is compared with: the pool rules and PyramidKV."""
-    return P.pool() + ("pyramidkv",)
+    """The standalone methods a calibrated policy is compared with: the pool rules, PyramidKV and
+    the head-wise allocations."""
+    return tuple(f"{n}-uniform" if n in P.ALLOCATIONS else n for n in P.pool()) + ("pyramidkv",) + tuple(P.ALLOCATIONS)
 
 
 def all_methods() -> tuple:
-    """Every --methods name: the uniform methods, PolyKV's rows and GraceKV's rows."""
-    return uniform_methods() + tuple(calibrate.VARIANTS) + tuple(gracekv.VARIANTS)
+    """Every --methods name: the uniform methods, AdaKV over each other pool rule, PolyKV's rows
+    and GraceKV's rows."""
+    ada = tuple(f"adakv-{r}" for r in P.pool() if r != P.ALLOCATIONS["adakv"][0])
+    return uniform_methods() + ada + tuple(calibrate.VARIANTS) + tuple(gracekv.VARIANTS)
 
 
 def default_methods(suite: str = "default") -> tuple:
@@ -107,6 +112,10 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None) ->
     s = settings or P.RuleSettings()
     if name == "pyramidkv":
         return P.Pyramid(budget, s)
+    if P.allocation(name):
+        return P.Headwise(*P.allocation(name)[:1], budget, *P.allocation(name)[1:], settings=s)
+    if name.endswith("-uniform") and name[:-8] in P.ALLOCATIONS:
+        name = name[:-8]                  # the rule at one budget per (layer, head)
     if name in gracekv.VARIANTS:
         return gracekv.variant(name, budget)
     if name in uniform_methods():
@@ -153,8 +162,8 @@ class Row:
     index: int
     n_tokens: int
     kv_fraction: float          # prompt-cache entries / FullKV's
-    compress_s: float           # the method's compression after the shared prefill
-    prefill_s: float            # the shared prefill + every method's statistics
+    compress_s: float           # the method's compression after the shared prefill (+ its own extra pass)
+    prefill_s: float            # the shared prefill + every method's statistics (no extra pass)
     kl: Optional[float] = None  # fidelity: KL(FullKV ‖ method), mean over the teacher-forced tokens
     dnll: Optional[float] = None
     top1: Optional[float] = None
@@ -174,6 +183,7 @@ class Methods:
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
+        self.settings = P.RuleSettings(repeat=P.reconstruction_prompt(tok))   # KVzip's prompt in this vocabulary
 
     def calibrated(self, budget, procedure="paper"):
         """--policy FILE (rescaled to each budget; every PolyKV row runs it), else one
@@ -202,7 +212,7 @@ class Methods:
     def make(self, name, budget) -> P.Method:
         """The method; under --memory equal a policy's decode budgets grow by the allowance."""
         if name not in calibrate.VARIANTS:
-            pol = method(name, budget, self.L)
+            pol = method(name, budget, self.L, self.settings)
             if not isinstance(pol, P.Policy):
                 return pol
         else:
@@ -218,7 +228,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
     t0 = time.perf_counter()
     full, obs = P.observe_for(model, item.tokens, list(made.values()))
-    t_p = time.perf_counter() - t0
+    t_p = time.perf_counter() - t0 - sum(obs.seconds.values())    # extra passes: their methods' cost
     if item.target is not None:
         n = item.target.shape[1]
         stepwise = any(m.evicts_within(T, n) for m in made.values())
@@ -228,7 +238,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     for (name, budget), method in made.items():
         t0 = time.perf_counter()
         cache = method.compress(model, full, obs)
-        t_c = time.perf_counter() - t0
+        t_c = time.perf_counter() - t0 + own_pass(model, method, obs)
         r = Row(result_key(name, budget, item), name, budget, item.task, item.length, item.index, T,
                 kv_fraction=cache.entries() / (L * G * T), compress_s=round(t_c, 4), prefill_s=round(t_p, 4))
         if item.target is not None:
@@ -248,6 +258,13 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
             r.score = metrics.score(item.sample, r.pred)
         out.append(r.to_json())
     return out
+
+
+def own_pass(model, method, obs) -> float:
+    """Seconds of the extra passes of the shared observation that `method` reads (KVzip's
+    reconstruction): part of its compression cost, not of the shared prefill."""
+    used = set().union(*method.needs(model).stats) if method.needs(model).stats else set()
+    return sum(t for name, t in obs.seconds.items() if name in used)
 
 
 # ----------------------------------------------------------------------------- where an answer ends

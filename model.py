@@ -130,13 +130,17 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> to
 #                       tokens (GraceKV), -inf for padding,
 #   acc   (B, G, S)     optional: a decode rule's running per-entry statistic (H2O's attention
 #                       column sums), kept next to the entry it describes.
+# A *ragged* layer (heads holding different numbers of entries, e.g. AdaKV's) packs all its
+# entries in one row instead of padding each head to the longest: k, v (B, 1, S, D), pos, bias
+# (B, 1, S), and head (B, 1, S) the KV head each entry belongs to; `attention_ragged` lets query
+# head h see only its own KV head's entries. Its allocated slots are its entries.
 # Causality is decided by positions (key pos <= query pos), never by indices, so a cache with gaps
 # (after eviction) keeps working. Eviction is a `gather` along S, the only way a cache shrinks;
 # it moves every per-entry field together, so a decode rule's state can never fall out of step
 # with the entries. Appending writes in place into spare room (`Buffer`) only past every slot some
 # view can see, so a `fork` shares tensors and is independent.
 
-FIELDS = ("k", "v", "pos", "bias", "acc")   # the per-entry fields a gather moves together
+FIELDS = ("k", "v", "pos", "bias", "acc", "head")   # the per-entry fields a gather moves together
 
 
 @dataclass
@@ -150,6 +154,7 @@ class Buffer:
     pos: torch.Tensor
     bias: torch.Tensor
     acc: Optional[torch.Tensor]
+    head: Optional[torch.Tensor]
     used: int
 
     @property
@@ -164,6 +169,7 @@ class LayerCache:
     pos: torch.Tensor    # (B, G, S) long, original positions, -1 = padding
     bias: torch.Tensor   # (B, G, S) additive logit: 0 token, log m prototype, -inf padding
     acc: Optional[torch.Tensor] = None   # (B, G, S) decode-rule state (H2O's Σ_i A), or None
+    head: Optional[torch.Tensor] = None  # (B, 1, S) long: a ragged layer's KV head per entry, or None
     buffer: Optional[Buffer] = field(default=None, repr=False, compare=False)  # append room
 
     @property
@@ -185,22 +191,27 @@ class LayerCache:
         Written in place into the buffer when this view owns its tail, else into a new buffer
         with a quarter more room (at least 64 slots; the old entries copied once), so appends
         cost amortised O(T) for every method alike."""
-        B, G, T, _ = k.shape
+        B, G, T, D = k.shape
         S = self.size
         new = {"k": k, "v": v, "pos": pos[:, None, :].expand(B, G, T),
                "bias": self.bias.new_zeros(B, G, T),
-               "acc": None if self.acc is None else self.acc.new_zeros(B, G, T)}
+               "acc": None if self.acc is None else self.acc.new_zeros(B, G, T), "head": None}
+        if self.head is not None:        # ragged: the G heads' new entries in one row, head-major
+            new = {"k": k.reshape(B, 1, G * T, D), "v": v.reshape(B, 1, G * T, D),
+                   "pos": new["pos"].reshape(B, 1, G * T), "bias": self.bias.new_zeros(B, 1, G * T),
+                   "acc": None, "head": torch.arange(G, device=k.device).repeat_interleave(T).expand(B, 1, G * T)}
+        n = new["k"].shape[2]           # entries added: T, or G·T in a ragged layer
         b = self.buffer
-        if not self._owns_tail(T):
-            cap = S + T + max(64, (S + T) // 4)
+        if not self._owns_tail(n):
+            cap = S + n + max(64, (S + n) // 4)
             grow = lambda x: None if x is None else torch.cat(
                 (x, x.new_empty(*x.shape[:2], cap - S, *x.shape[3:])), 2)      # (B, G, cap, ·)
             b = Buffer(*(grow(getattr(self, f)) for f in FIELDS), used=S)
         for f in FIELDS:
             if new[f] is not None:
-                getattr(b, f)[:, :, S:S + T] = new[f]                              # in place
-        b.used = S + T
-        view = {f: None if getattr(b, f) is None else getattr(b, f)[:, :, :S + T] for f in FIELDS}
+                getattr(b, f)[:, :, S:S + n] = new[f]                              # in place
+        b.used = S + n
+        view = {f: None if getattr(b, f) is None else getattr(b, f)[:, :, :S + n] for f in FIELDS}
         return LayerCache(**view, buffer=b)
 
     def gather(self, idx: torch.Tensor) -> "LayerCache":
@@ -209,7 +220,29 @@ class LayerCache:
         i4 = idx[..., None].expand(*idx.shape, self.k.shape[-1])               # (B, G, S', D)
         return LayerCache(self.k.gather(2, i4), self.v.gather(2, i4),
                           self.pos.gather(2, idx), self.bias.gather(2, idx),
-                          None if self.acc is None else self.acc.gather(2, idx))
+                          None if self.acc is None else self.acc.gather(2, idx),
+                          None if self.head is None else self.head.gather(2, idx))
+
+    def ragged(self, idx: list) -> "LayerCache":
+        """A ragged layer from this dense one (batch 1): KV head g keeps its entries idx[g] (a
+        1-D index tensor each, any lengths), packed head after head in one row."""
+        assert self.k.shape[0] == 1 and self.head is None and self.acc is None
+        cat = lambda x: torch.cat([x[0, g, i] for g, i in enumerate(idx)])[None, None]   # (1, 1, S, ·)
+        head = torch.cat([torch.full((len(i),), g, dtype=torch.long) for g, i in enumerate(idx)])
+        return LayerCache(cat(self.k), cat(self.v), cat(self.pos), cat(self.bias),
+                          head=head.to(self.k.device)[None, None])
+
+    def dense(self, G: int) -> "LayerCache":
+        """A ragged layer as the dense layout (batch 1): each head padded to the longest (pos −1,
+        bias −inf). Attends exactly as the ragged layer; for inspection (oracle dumps)."""
+        if self.head is None:
+            return self
+        rows = [self.head[0, 0] == g for g in range(G)]
+        S = max(int(r.sum()) for r in rows)
+        pad = lambda x, r, val: torch.cat((x[0, 0, r], x.new_full((S - int(r.sum()), *x.shape[3:]), val)))[None]
+        k, v, pos, bias = (torch.stack([pad(x, r, val) for r in rows], 1)
+                           for x, val in ((self.k, 0), (self.v, 0), (self.pos, -1), (self.bias, -math.inf)))
+        return LayerCache(k, v, pos, bias)
 
     def real_entries(self) -> int:
         """Entries that are not padding, summed over batch and heads."""
@@ -323,6 +356,18 @@ def attention_sdpa(q, k, v, bias, q_pos, k_pos):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=True)
 
 
+def attention_ragged(q, lc: LayerCache, q_pos, G: int):
+    """`attention` over a ragged layer (k, v (B, 1, S, D), lc.head (B, 1, S)): query head h
+    sees the entries of its KV head h // (H/G) only; softmax in fp32. Exact, and every query
+    head's logits span all S entries: G times the work of a dense layer, none of its padding."""
+    B, H, T, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    logits = q.to(acc) @ lc.k.to(acc).transpose(-1, -2) / math.sqrt(D) + lc.bias.to(acc)[:, :, None]  # (B, H, T, S)
+    own = lc.head[:, :, None, :] == (torch.arange(H, device=q.device) // (H // G))[None, :, None, None]
+    logits = logits.masked_fill(~(own & visible_mask(q_pos, lc.pos)), float("-inf"))
+    return (torch.softmax(logits, dim=-1).nan_to_num(0.0).to(lc.v.dtype) @ lc.v).to(q.dtype)
+
+
 def repeat_kv(x: torch.Tensor, H: int) -> torch.Tensor:
     """(B, G, ...) -> (B, H, ...): each KV head serves its g = H/G consecutive query heads."""
     B, G = x.shape[:2]
@@ -368,8 +413,11 @@ class Attention(nn.Module):
         if hooks and hooks.pre_kernel:
             hooks.pre_kernel(layer, q, k, v, pos)
         lc = lc.append(k, v, pos)                                             # S += T
-        kernel = attention_sdpa if sdpa else attention
-        out = kernel(q, lc.k, lc.v, lc.bias, pos, lc.pos)                     # (B, H, T, D)
+        if lc.head is not None:                                               # a ragged layer
+            out = attention_ragged(q, lc, pos, G)                             # (B, H, T, D)
+        else:
+            kernel = attention_sdpa if sdpa else attention
+            out = kernel(q, lc.k, lc.v, lc.bias, pos, lc.pos)                 # (B, H, T, D)
         if hooks and hooks.post_kernel:
             hooks.post_kernel(layer, q, pos, lc, out)
         if hooks and hooks.cache_update:

@@ -70,6 +70,8 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
     spy = lambda l, q, q_pos, lc, out: qs.__setitem__(l, (q[:, :, -P_:].clone(), q_pos[:, -P_:]))
     full, obs = P.observe(model, tokens, method.needs(model), spy)
     cache = method.compress(model, full, obs)
+    G = model.config.n_kv_heads
+    cache = M.Cache([lc.dense(G) for lc in cache.layers], cache.next_pos, cache.last_logits)   # ragged: padded view
     S = max(lc.size for lc in cache.layers)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
     t = {"tokens": tokens[0].cpu(),
@@ -80,7 +82,7 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
         rule = method.layers[0].prefill.rule
         sc = []
         for l in range(L):
-            s, prot = P.score(rule, P.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings))
+            s, prot = P.score(rule, P.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings, full.layers[l].v))
             sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
         t["scores"] = torch.stack(sc).float().cpu()                                           # (L, G, T)
     outs = {"out": [], "full_out": []}          # the probe queries over both caches

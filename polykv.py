@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, NamedTuple, Optional
@@ -40,14 +41,20 @@ from support.files import write_atomic
 # ============================================================================= 1. the framework
 
 # Statistics a rule can read (per query head (B, H, T), A the causal attention of the prompt):
-#   colsum  Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
-#   window  Σ_{i in last w} A[h,i,j]   SnapKV's observation window
-#   last    A[h,T−1,j]                 TOVA's last query
+#   colsum   Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
+#   window   Σ_{i in last w} A[h,i,j]   SnapKV's observation window
+#   last     A[h,T−1,j]                 TOVA's last query
+#   recon    max_u A_rec[h,u,j]         KVzip: the most attention a query of the reconstruction
+#                                       pass pays entry j (`reconstruct`)
+#   queries  (μ (B, H, D), Σ (B, H, D, D)): mean and covariance of the prompt's pre-RoPE queries
+#            past the sinks, advanced by the mean RoPE rotation of the next positions
+#            (`query_stats`, Expected Attention)
 # A method may add its own per-layer statistic (`Needs.extra`, e.g. GraceKV's value flow): an
 # object with lowest(T) (the first query row it reads), begin(q, lc) -> state,
 # add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
 # and merge(other) -> the one statistic that serves both.
-STATS = ("colsum", "window", "last")
+STATS = ("colsum", "window", "last", "recon", "queries")
+ATTENTION_STATS = ("colsum", "window", "last")      # those read off the prompt's own attention
 
 
 @dataclass(frozen=True)
@@ -57,29 +64,39 @@ class Needs:
     window: int = 32      # w of the `window` statistic
     chunk: int = 256      # query rows per chunk of the observation pass (memory only)
     extra: tuple = ()     # ((name, statistic), ...): a method's own per-layer statistics
+    n_sink: int = 4       # `queries`: the first n_sink queries left out; `recon`: sinks kept
+    future: int = 512     # `queries`: the next positions whose mean rotation is applied
+    repeat: tuple = ()    # `recon`: the reconstruction prompt's ids (`reconstruction_prompt`)
+
+
+# which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
+PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat": "recon"}
 
 
 def union(needs: list, n_layers: int) -> Needs:
     """What a shared prefill must observe for all of `needs`: per layer the union of the
-    statistics, each extra statistic merged by name, the smallest chunk. Methods must agree on
-    the observation window."""
+    statistics, each extra statistic merged by name, the smallest chunk. Methods that read a
+    statistic must agree on its parameters (PARAMS)."""
     stats = [frozenset()] * n_layers
-    window, extra, chunk = None, {}, min([n.chunk for n in needs] or [256])
+    params, extra, chunk = {}, {}, min([n.chunk for n in needs] or [256])
     for n in needs:
+        used = frozenset().union(*n.stats) if n.stats else frozenset()
+        for p, stat in PARAMS.items():
+            if stat in used:
+                if params.setdefault(p, getattr(n, p)) != getattr(n, p):
+                    raise UsageError(f"methods observe with different {p}: {params[p]} vs {getattr(n, p)}")
         if any(n.stats):
-            if window not in (None, n.window):
-                raise UsageError(f"methods observe with different windows: {window} vs {n.window}")
-            window = n.window
             stats = [a | b for a, b in zip(stats, n.stats)]
         for name, st in n.extra:
             extra[name] = st if name not in extra else extra[name].merge(st)
-    return Needs(tuple(stats), window or 32, chunk, tuple(extra.items()))
+    return Needs(tuple(stats), chunk=chunk, extra=tuple(extra.items()), **params)
 
 
 @dataclass
 class Observation:
     stats: list                     # [dict name -> (B, H, T)] * L
     extra: dict = field(default_factory=dict)   # name -> [value per layer] (Needs.extra)
+    seconds: dict = field(default_factory=dict)  # name -> time of an extra pass (KVzip's `recon`)
 
 
 class Method:
@@ -146,6 +163,7 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=()):
     reads are skipped. Returns ({name: (B, H, T)}, {extra name: value})."""
     B, H, T, D = q.shape
     assert lc.size == T and not lc.bias.any(), "observe_layer reads a fresh prefill (key j at position j)"
+    names = [k for k in names if k in ATTENTION_STATS]
     lowest = 0 if "colsum" in names else \
         min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T) for _, st in extra])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -168,21 +186,98 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=()):
 @torch.no_grad()
 def observe(model, tokens, needs: Needs, spy=None):
     """One full-attention prefill of tokens (B, T) recording what `needs` asks for, layer by
-    layer, each layer's attention computed once: (FullKV cache, Observation). spy: an extra
-    post-kernel callable (layer, q, q_pos, lc, out) that sees the same pass."""
+    layer, each layer's attention computed once; then, if some layer reads `recon`, KVzip's
+    reconstruction pass. Returns (FullKV cache, Observation). spy: an extra post-kernel
+    callable (layer, q, q_pos, lc, out) that sees the same pass."""
     L = model.config.n_layers
     per_layer = needs.stats or (frozenset(),) * L
     obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
 
     def post_kernel(layer, q, q_pos, lc, out):
         obs.stats[layer], ex = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.extra)
+        if "queries" in per_layer[layer]:
+            obs.stats[layer]["queries"] = query_stats(q, q_pos, model.inv_freq, needs.n_sink, needs.future)
         for name, value in ex.items():
             obs.extra[name][layer] = value
         if spy is not None:
             spy(layer, q, q_pos, lc, out)
 
     hooks = Hooks(post_kernel=post_kernel) if any(per_layer) or needs.extra or spy else None
-    return M.prefill(model, tokens, hooks), obs
+    full = M.prefill(model, tokens, hooks)
+    layers = [l for l in range(L) if "recon" in per_layer[l]]
+    if layers:
+        t0 = time.perf_counter()
+        for l, s in reconstruct(model, full, tokens, needs.repeat, layers, needs.n_sink).items():
+            obs.stats[l]["recon"] = s
+        obs.seconds["recon"] = time.perf_counter() - t0
+    return full, obs
+
+
+def query_stats(q, q_pos, inv_freq, n_sink: int, future: int):
+    """Expected Attention's query statistics (kvpress `ExpectedAttentionPress.get_query_statistics`
+    and `apply_avg_rope`): the queries q (B, H, T, D) un-rotated to pre-RoPE (RoPE⁻¹ at their
+    positions), those at positions >= n_sink kept; μ = mean, Σ = Σ_i (q_i − μ)(q_i − μ)ᵀ / n;
+    then R̄ = mean_{p = T..T+future−1} R_p, the RoPE matrix averaged over the next positions,
+    gives μ' = R̄μ, Σ' = R̄ΣR̄ᵀ. Returns (μ' (B, H, D), Σ' (B, H, D, D)) in fp32 (fp64)."""
+    B, H, T, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qp = M.apply_rope(q.to(acc), -q_pos[:, None, :], inv_freq)[:, :, n_sink:]    # (B, H, n, D)
+    mu = qp.mean(2)                                                            # (B, H, D)
+    c = qp - mu[:, :, None]
+    cov = c.transpose(-1, -2) @ c / qp.shape[2]                               # (B, H, D, D)
+    eye = torch.eye(D, dtype=acc, device=q.device)
+    ahead = torch.arange(T, T + future, device=q.device)[:, None]             # (future, 1)
+    Rt = M.apply_rope(eye.expand(future, D, D), ahead, inv_freq).mean(0)      # (D, D) = R̄ᵀ (rows e_i -> R̄ e_i)
+    return mu @ Rt, Rt.T @ cov @ Rt
+
+
+def reconstruction_prompt(tok) -> tuple:
+    """KVzip's reconstruction prompt as ids (kvpress `KVzipPress.prepare`): the instruction for
+    the first chunk, the one for later chunks, and the suffix (the chat template's text after
+    the user turn, "\n" for a tokenizer without one)."""
+    enc = lambda t: tuple(tok.encode(t, add_special_tokens=False))
+    suffix = "\n"
+    if getattr(tok, "has_chat_template", False):
+        mark = "dummy context\n" + "#" * 13
+        suffix = tok.chat(mark).split(mark)[1]
+    return (enc("\n\nRepeat the previous context exactly."),
+            enc("\n\nRepeat the part of the previous context exactly, starting with"), enc(suffix))
+
+
+@torch.no_grad()
+def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink: int = 4,
+                chunk: int = 2048, overlap: int = 8) -> dict:
+    """KVzip's scores (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction"; kvpress `KVzipPress`): the prompt, in chunks of `chunk` tokens, is fed again
+    after the FullKV cache behind a prompt to repeat it (first chunk: instruction + suffix +
+    chunk; later: instruction + the previous chunk's last `overlap` tokens + suffix + chunk), each
+    chunk on its own fork of `full` (the cache is left as it was). For every query u of that pass,
+    A_rec[h,u,·] = softmax over the sinks (min(n_sink, chunk start)), the chunk's own entries and
+    the pass's causal keys; score_j = max_u A_rec[h,u,j] per query head. Returns {layer: (B, H, T)}."""
+    if not repeat:
+        raise UsageError("kvzip needs the reconstruction prompt: RuleSettings(repeat=polykv.reconstruction_prompt(tok))")
+    B, T = tokens.shape
+    first, later, suffix = (torch.tensor([r], dtype=torch.long, device=tokens.device).expand(B, -1) for r in repeat)
+    H = model.config.n_heads
+    acc = torch.float64 if model.dtype == torch.float64 else torch.float32
+    out = {l: torch.zeros(B, H, T, dtype=acc, device=tokens.device) for l in layers}
+    for a in range(0, T, chunk):
+        b, sink = min(T, a + chunk), min(n_sink, a)
+        lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
+        ids = torch.cat((lead, suffix, tokens[:, a:b]), 1)                       # (B, n)
+
+        def spy(layer, q, q_pos, lc, o):
+            if layer not in out:
+                return
+            n = q.shape[2]                                  # keys: sinks, chunk, the pass's own
+            k = torch.cat((lc.k[:, :, :sink], lc.k[:, :, a:b], lc.k[:, :, -n:]), 2)
+            for c0 in range(0, n, 256):                     # query chunks: no (H, n, n) at once
+                c1 = min(n, c0 + 256)
+                p = causal_probs(q[:, :, c0:c1], k[:, :, :k.shape[2] - n + c1], sink + b - a + c0)
+                out[layer][..., a:b] = torch.maximum(out[layer][..., a:b], p[..., sink:sink + b - a].amax(2))
+
+        model.step(ids, full.fork(), Hooks(post_kernel=spy), last_only=True)
+    return out
 
 
 def observe_for(model, tokens, methods: list):
@@ -220,8 +315,11 @@ class RuleSettings:
     chunk: int = 256      # queries per chunk when reducing H2O's column sums
     pool: str = "max"     # SnapKV's pooling over j: "max" (SnapKV, KVCache-Factory) or "avg" (kvpress)
     tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
+    future: int = 512     # Expected Attention's future positions (kvpress default)
+    repeat: tuple = ()    # KVzip's reconstruction prompt, ids (`reconstruction_prompt(tok)`)
 
     def __post_init__(self):
+        object.__setattr__(self, "repeat", tuple(tuple(r) for r in self.repeat))   # JSON lists back to tuples
         for name in ("window", "kernel", "chunk"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -252,6 +350,7 @@ class ScoreInput:
     k: torch.Tensor       # (B, G, T, D) post-RoPE keys of the layer
     layer: int
     settings: RuleSettings
+    v: Optional[torch.Tensor] = None   # (B, G, T, D) values of the layer
 
     @property
     def shape(self):      # (B, G, T)
@@ -345,6 +444,35 @@ def knorm(x: ScoreInput):
     of the post-RoPE key is the norm of the key."""
     B, G, T = x.shape
     return -x.k.double().norm(dim=-1), none_protected(T)
+
+
+@rule("expected", needs={"queries"})
+def expected(x: ScoreInput):
+    """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by
+    Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`,
+    its defaults): future queries q ~ N(μ', Σ') (the `queries` statistic), so
+    E[exp(q·k/√D)] = exp(μ'·k/√D + ½ kᵀΣ'k/D); per query head a softmax of that logit over the
+    keys past the n_sink sinks, group mean, times ‖v_j‖. The sinks are kept."""
+    B, G, T = x.shape
+    n = x.settings.n_sink
+    mu, cov = x.stats["queries"]                                              # (B, H, D), (B, H, D, D)
+    H, D = mu.shape[1], mu.shape[2]
+    k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
+    logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
+    sc = group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
+    return F.pad(sc, (n, 0)), torch.arange(T) < n
+
+
+@rule("kvzip", needs={"recon"})
+def kvzip(x: ScoreInput):
+    """KVzip (Kim et al. 2025; kvpress `KVzipPress`): s_j = max over the KV head's g query heads
+    of the `recon` statistic, the most attention entry j receives while the model repeats the
+    prompt (`reconstruct`); the n_sink sinks are kept. Query-agnostic: it reads no question.
+    At one budget per (layer, head) this is the rule in PolyKV's pool; KVzip's own allocation
+    is global over layers and heads (`ALLOCATIONS`)."""
+    B, G, T = x.shape
+    r = x.stats["recon"]
+    return r.view(B, G, r.shape[1] // G, T).amax(2), torch.arange(T) < x.settings.n_sink
 
 
 @rule("random", pool=False)
@@ -547,7 +675,8 @@ class Policy(Method):
             (RULES[lp.prefill.rule].needs if lp.prefill.rule in RULES else frozenset())
             | ({DECODE[lp.decode.rule].acc_from} if DECODE[lp.decode.rule].acc_from else frozenset())
             for lp in self.layers)
-        return Needs(per_layer, self.settings.window, self.settings.chunk)
+        s = self.settings
+        return Needs(per_layer, s.window, s.chunk, n_sink=s.n_sink, future=s.future, repeat=s.repeat)
 
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
         """A new cache: layer l keeps min(b_l, T) entries per KV head chosen by its rule.
@@ -561,7 +690,7 @@ class Policy(Method):
                 idx = torch.arange(T, device=lc.k.device).expand(B, G, T)
                 kept = lc        # nothing evicted: share the tensors (appends never overwrite them)
             else:
-                sc, prot = score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings))
+                sc, prot = score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
                 idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)    # (B, G, b)
                 kept = lc.gather(idx)
             start = DECODE[lp.decode.rule].acc_from      # a decode rule's running sums, kept entries
@@ -649,6 +778,65 @@ class Pyramid(Method):
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
         T = full.layers[0].k.shape[2]
         return Policy.pyramid(self.budget, model.config.n_layers, T, self.settings).compress(model, full, obs)
+
+
+# Allocations over one rule's scores that give KV heads different budgets: name -> (rule,
+# scope, safeguard α). `adakv-RULE` is AdaKV over any registered rule.
+ALLOCATIONS = {"adakv": ("snapkv", "layer", 0.2),     # Feng et al. 2024; kvpress AdaKVPress
+               "kvzip": ("kvzip", "model", 0.0)}      # Kim et al. 2025; kvpress KVzipPress(layerwise=False)
+
+
+def allocation(name: str) -> Optional[tuple]:
+    """(rule, scope, α) of an allocation name, None if `name` is not one."""
+    if name.startswith("adakv-") and name[6:] in RULES:
+        return (name[6:],) + ALLOCATIONS["adakv"][1:]
+    return ALLOCATIONS.get(name)
+
+
+@dataclass
+class Headwise(Method):
+    """Head-wise budgets over a rule's scores, stored ragged (each KV head holds exactly its own
+    entries, model.LayerCache.ragged), so its allocated slots are its entries.
+
+    scope "layer" (AdaKV: Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive
+    Budget Allocation"; kvpress `AdaKVPress`): each layer keeps its G·B best (KV head, entry)
+    pairs, every head first guaranteed its top n_safe = max(1, ⌊α·B⌋) (α = 0.2, kvpress
+    `alpha_safeguard`). scope "model" (KVzip's default, kvpress `layerwise=False`): the L·G·B best
+    pairs over every layer and head, no safeguard. Protected entries (the rule's sinks, window)
+    are kept first; ties go to the later position, then the later head (layer). Appends while
+    decoding (as kvpress: these presses compress the prefill only)."""
+    rule: str
+    budget: int
+    scope: str = "layer"
+    alpha: float = 0.2
+    settings: RuleSettings = field(default_factory=RuleSettings)
+
+    def needs(self, model) -> Needs:
+        return Policy.uniform(self.rule, self.budget, model.config.n_layers, "append", self.settings).needs(model)
+
+    def compress(self, model, full: Cache, obs: Observation) -> Cache:
+        B, G, T, _ = full.layers[0].k.shape
+        if self.budget >= T:
+            return Cache(list(full.layers), full.next_pos, full.last_logits)
+        scores = []
+        for l, lc in enumerate(full.layers):
+            sc, prot = score(self.rule, ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
+            sc = sc[0].double().cpu().masked_fill(prot, float("inf"))                 # (G, T)
+            if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
+                n_safe = max(1, int(self.budget * self.alpha))
+                sc = sc.scatter(1, select(sc[None], n_safe, torch.zeros(T, dtype=torch.bool))[0], float("inf"))
+            scores.append(sc)
+        groups = [torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]
+        kept = []                                                                      # (L', G, T) bool each
+        for sc in groups:
+            flat = sc.reshape(1, 1, -1)
+            idx = select(flat, sc.shape[0] * G * self.budget, torch.zeros(flat.shape[2], dtype=torch.bool))
+            kept.append(torch.zeros(flat.shape[2], dtype=torch.bool).index_fill(0, idx[0, 0], True).view(sc.shape))
+        kept = torch.cat(kept)                                                         # (L, G, T)
+        dev = full.layers[0].k.device
+        layers = [lc.ragged([kept[l, g].nonzero()[:, 0].to(dev) for g in range(G)])
+                  for l, lc in enumerate(full.layers)]
+        return Cache(layers, full.next_pos, full.last_logits)
 
 
 @torch.no_grad()

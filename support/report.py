@@ -213,7 +213,9 @@ def styles(names, family) -> dict:
     import matplotlib
     hues = {"polykv": matplotlib.colormaps["Blues"], "gracekv": matplotlib.colormaps["Reds"]}
     others = ["tab:orange", "tab:green", "tab:purple", "tab:brown", "tab:pink", "tab:gray",
-              "tab:olive", "tab:cyan", "gold", "lime", "teal", "indigo", "darkkhaki", "peru"]
+              "tab:olive", "tab:cyan", "gold", "lime", "teal", "indigo", "darkkhaki", "peru",
+              "darkgoldenrod", "mediumseagreen", "orchid", "slategray", "yellowgreen", "sienna",
+              "turquoise", "darkviolet", "olivedrab", "rosybrown"]
     markers = "osD^vP*Xh<>pd8H+x"
     fam = {n: family(n) for n in names}
     out, k = {}, 0

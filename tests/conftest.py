@@ -13,6 +13,11 @@ settings.register_profile("dev", deadline=None, max_examples=int(os.environ.get(
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
+# KVzip's reconstruction prompt (first instruction, later instruction, suffix) as ids of the tiny
+# vocabulary: polykv.reconstruction_prompt(tok) gives the real one for a tokenizer
+REPEAT = ((7, 8, 9, 10), (11, 12, 13), (14,))
+
+
 def tiny(seed=0, L=3, H=4, G=2, sdpa=True, bias=False):
     """The random tiny LLaMA most tests run on: float64, vocabulary 50, width 32, 4 query heads over
     2 KV heads of width 8, untied, end token 0. Its query weights are scaled by 4 so that attention is

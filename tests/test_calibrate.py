@@ -12,7 +12,7 @@ import calibrate as C
 import model as M
 import polykv as P
 from model import UsageError
-from conftest import tiny as tiny_llama
+from conftest import REPEAT, tiny as tiny_llama
 
 @pytest.fixture(autouse=True)
 def one_thread():
@@ -23,7 +23,7 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=7)
+SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=7, repeat=REPEAT)
 T, N, B = 40, 8, 10                     # prompt, continuation, budget of the tiny probes
 
 

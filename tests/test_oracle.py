@@ -119,3 +119,26 @@ def test_cli_dump_compare_exit_codes(tmp_path):
                 "--budget", "40", "--out", str(tmp_path / "bad.st"))
         assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad.st").exists()
+
+
+def kept_by(tiny, golden, name):
+    """Per (layer, KV head) kept positions of a --methods name under kvpress's conventions and
+    KVzip's reconstruction prompt in the golden folder's character tokenizer."""
+    tok = checkpoint.Tokenizer(GOLDEN / "tiny-llama" / "tokenizer.json")
+    s = P.RuleSettings(**{**P.KVPRESS.__dict__, "repeat": P.reconstruction_prompt(tok)})
+    cache = oracle.make_method(name, golden["n_kept"], tiny.config.n_layers, s).prefill(tiny, torch.tensor([golden["tokens"]]))
+    G = tiny.config.n_kv_heads
+    return [[lc.dense(G).pos[0, g][lc.dense(G).pos[0, g] >= 0].tolist() for g in range(G)] for lc in cache.layers]
+
+
+@pytest.mark.parametrize("name", ["expected", "adakv", "kvzip"])
+def test_new_baselines_reproduce_kvpress_kept_sets(tiny, golden, name):
+    """Expected Attention (per head), AdaKV over SnapKV (head-wise within a layer, safeguard 0.2)
+    and KVzip (global over layers and heads, its reconstruction pass) keep exactly what kvpress
+    0.5.5 kept on the tiny checkpoint, every (layer, KV head); the two head-wise ones really hold
+    their heads' different counts (ragged)."""
+    ours = kept_by(tiny, golden, name)
+    assert ours == golden["kept"][name]
+    if name != "expected":
+        counts = [len(h) for layer in ours for h in layer]
+        assert len(set(counts)) > 1 and sum(counts) == tiny.config.n_layers * tiny.config.n_kv_heads * golden["n_kept"]

@@ -8,9 +8,9 @@ from hypothesis import given, strategies as st
 import model as M
 import polykv as P
 from model import UsageError
-from conftest import tiny as tiny_llama
+from conftest import REPEAT, tiny as tiny_llama
 
-SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3)   # small enough for tiny prompts
+SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3, repeat=REPEAT)   # small enough for tiny prompts
 COMPRESSING = tuple(P.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
 ALL = ("full",) + COMPRESSING
 
@@ -81,7 +81,7 @@ def test_scores_equal_naive_recomputation(T, seed):
     m = tiny(seed)
     tokens = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
     maps = full_attention_maps(m, tokens)
-    needs = P.Needs((frozenset(P.STATS),) * m.config.n_layers, SET.window, SET.chunk)
+    needs = P.Needs((frozenset(P.ATTENTION_STATS),) * m.config.n_layers, SET.window, SET.chunk)
     full, obs = P.observe(m, tokens, needs)                  # chunk=3: several query chunks
     stats = obs.stats
     H, G = m.config.n_heads, m.config.n_kv_heads
@@ -93,7 +93,7 @@ def test_scores_equal_naive_recomputation(T, seed):
         assert torch.allclose(stats[l]["window"][0], A[:, -w:].sum(1), atol=1e-12)
         # H2O: group mean of column sums; SnapKV: window sums on j < T−w, max-pooled, group mean
         for rule in ("h2o", "snapkv", "tova"):
-            sc, prot = P.score(rule, P.ScoreInput(stats[l], full.layers[l].k, l, SET))
+            sc, prot = P.score(rule, P.ScoreInput(stats[l], full.layers[l].k, l, SET, full.layers[l].v))
             for gk in range(G):
                 heads = range(gk * H // G, (gk + 1) * H // G)
                 if rule == "h2o":

@@ -8,9 +8,9 @@ from hypothesis import given, strategies as st
 
 import model as M
 import polykv as P
-from conftest import tiny as tiny_llama
+from conftest import REPEAT, tiny as tiny_llama
 
-SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5)
+SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT)
 
 
 tiny = functools.partial(tiny_llama, L=2)
@@ -34,7 +34,7 @@ def test_rule_keeps_its_top_scored_protected_and_exact_budget(name, budget, T, s
     cache = pol.compress(m, full, obs)
     assert cache.entries() == m.config.n_layers * m.config.n_kv_heads * budget
     for l, lc in enumerate(cache.layers):
-        sc, prot = P.score(name, P.ScoreInput(obs.stats[l], full.layers[l].k, l, SET))
+        sc, prot = P.score(name, P.ScoreInput(obs.stats[l], full.layers[l].k, l, SET, full.layers[l].v))
         assert sc.shape == (1, m.config.n_kv_heads, T) and prot.shape == (T,)
         for g in range(m.config.n_kv_heads):
             kept = lc.pos[0, g].tolist()

@@ -7,8 +7,11 @@ does not depend on:
     /tmp/kvenv/bin/python tests/golden/make_kvpress_golden.py
 
 It writes the tiny checkpoint (tests/golden/tiny-llama/, made by this project's model.save from a
-fixed seed) and the kept positions of SnapKV, StreamingLLM, TOVA and K-norm at compression ratio
-0.5, recovered by matching each kept key to the prompt's full keys.
+fixed seed, with a character-level tokenizer: id = the ASCII code, no chat template) and the kept
+positions at compression ratio 0.5 of SnapKV, StreamingLLM, TOVA, K-norm and Expected Attention
+(presses that shrink the cache: recovered by matching each kept key to the prompt's full keys),
+and of AdaKV over SnapKV and KVzip (presses that mask: each head keeps what its
+`masked_key_indices` do not name).
 """
 import json
 import sys
@@ -34,6 +37,10 @@ def tiny_checkpoint(folder: Path):
         for blk in m.layers:
             blk.self_attn.q_proj.weight.mul_(4)
     M.save(m, folder)
+    from tokenizers import Tokenizer, models
+    tok = Tokenizer(models.BPE(vocab={chr(i): i for i in range(128)}, merges=[]))
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
 def main():
@@ -42,13 +49,15 @@ def main():
     from transformers import DynamicCache, LlamaForCausalLM
     folder = HERE / "tiny-llama"
     tiny_checkpoint(folder)
-    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    hf = LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation="sdpa").eval()
     ids = torch.randint(1, 128, (1, T), generator=torch.Generator().manual_seed(SEED))
     with torch.no_grad():
         full = DynamicCache()
         hf(ids, past_key_values=full)
     presses = {"snapkv": kvpress.SnapKVPress(RATIO), "streaming": kvpress.StreamingLLMPress(RATIO),
-               "tova": kvpress.TOVAPress(RATIO), "knorm": kvpress.KnormPress(RATIO)}
+               "tova": kvpress.TOVAPress(RATIO), "knorm": kvpress.KnormPress(RATIO),
+               "expected": kvpress.ExpectedAttentionPress(RATIO),
+               "adakv": kvpress.AdaKVPress(kvpress.SnapKVPress(RATIO)), "kvzip": kvpress.KVzipPress(RATIO)}
     kept = {}
     for name, press in presses.items():
         cache = DynamicCache()
@@ -56,6 +65,11 @@ def main():
             hf(ids, past_key_values=cache)
         per_layer = []
         for l in range(hf.config.num_hidden_layers):
+            if name in ("adakv", "kvzip"):              # masked, not removed: the complement per head
+                _, heads, seqs = hf.model.layers[l].self_attn.masked_key_indices
+                G = hf.config.num_key_value_heads
+                per_layer.append([sorted(set(range(T)) - set(seqs[heads == g].tolist())) for g in range(G)])
+                continue
             k_full, k_kept = full.layers[l].keys[0], cache.layers[l].keys[0]      # (G, T, D), (G, n, D)
             d = torch.cdist(k_kept, k_full, compute_mode="donot_use_mm_for_euclid_dist")   # (G, n, T)
             assert float(d.min(-1).values.max()) < 1e-5, "a kept key matches no prompt key"
