@@ -109,6 +109,12 @@ def calibration_set(tok, budget: int, n_prompts: int, prompt_len: int, cont_len:
             + tasks.calibration_needles(tok, needles, prompt_len, seed))
 
 
+def with_prompt(settings: RuleSettings, tok) -> RuleSettings:
+    """settings with KVzip's reconstruction prompt in tok's vocabulary, if it has none yet."""
+    return settings if settings.repeat or tok is None else \
+        RuleSettings(**{**settings.__dict__, "repeat": tasks.reconstruction_prompt(tok)})
+
+
 def set_meta(model, tok, texts, budget: int, seed: int, model_name: str, needles: int, b_min=None) -> tuple:
     """(T, n, meta) of a calibration set, checked: the shortest prompt and continuation, and what
     a policy file records about the set."""
@@ -117,7 +123,7 @@ def set_meta(model, tok, texts, budget: int, seed: int, model_name: str, needles
     M.check_length(model, T + n)
     return T, n, {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given", "n_prompts": len(texts), "prompt_len": T, "cont_len": n,
-        "needles": needles}}
+        "needles": needles, "pool": list(polykv.pool())}}
 
 
 # ----------------------------------------------------------------------------- signals
@@ -327,6 +333,7 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
     is unused)."""
     if texts is None:
         texts = calibration_set(tok, budget, n_prompts, prompt_len, cont_len, seed, b_min)
+    settings = with_prompt(settings, tok)
     T, n, meta = set_meta(model, tok, texts, budget, seed, model_name, 0, b_min)
     sig = measure(model, texts, budget, preference, settings, log)
     return build(sig, budget, preference, sensitivity, b_min, cap=T, horizon=n,
@@ -350,12 +357,13 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}
-        asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw}       # the procedure's own
+        asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw,       # the procedure's own
+                 "pool": list(polykv.pool())}                                # and today's pool
         if procedure != "paper":                 # a joint file without them: the text-only objective
             have = {"probes": 0, "retrieval": None, **have}
             asked = {"probes": JOINT_PROBES, "retrieval": JOINT_RETRIEVAL, **asked}
         diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items()
-                if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes", "retrieval")
+                if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes", "retrieval", "pool")
                 and have.get(k) != v]
         if diff:
             raise UsageError(f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it to recalibrate")
@@ -633,6 +641,7 @@ def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, 
         texts = calibration_set(tok, budget, n_prompts, prompt_len, cont_len, seed, needles=needles)
     if probe_pairs is None:
         probe_pairs = tasks.calibration_facts(tok, probes, prompt_len, seed) if probes else []
+    settings = with_prompt(settings, tok)
     _, _, meta = set_meta(model, tok, texts, budget, seed, model_name, needles)
     meta["calibration"].update(probes=len(probe_pairs), retrieval=retrieval)
     sig = measure_joint(model, texts, budget, signal, settings=settings, log=log, probes=probe_pairs,

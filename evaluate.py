@@ -183,7 +183,7 @@ class Methods:
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
-        self.settings = P.RuleSettings(repeat=P.reconstruction_prompt(tok))   # KVzip's prompt in this vocabulary
+        self.settings = P.RuleSettings(repeat=TK.reconstruction_prompt(tok))   # KVzip's prompt in this vocabulary
 
     def calibrated(self, budget, procedure="paper"):
         """--policy FILE (rescaled to each budget; every PolyKV row runs it), else one

@@ -250,7 +250,9 @@ def main(argv=None):
     else:
         ids = TK.fidelity_text(tok, args.length, 0)[0]
     M.check_length(m, len(ids))
-    method = make_method(args.method, args.budget, m.config.n_layers, CONVENTIONS[args.conventions], args.policy)
+    conv = CONVENTIONS[args.conventions]          # + KVzip's reconstruction prompt in this vocabulary
+    conv = P.RuleSettings(**{**conv.__dict__, "repeat": TK.reconstruction_prompt(tok)})
+    method = make_method(args.method, args.budget, m.config.n_layers, conv, args.policy)
     name = Path(args.model).name if args.model else M.default_model_dir().name
     t, h = dump(m, torch.tensor([ids]), method, args.method, args.budget, args.probes, args.decode, name)
     h["conventions"] = args.conventions

@@ -13,8 +13,8 @@ an eviction rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B, buil
     methods at once, each layer's attention computed once in query chunks.
  2. The rules (the design space): one scoring function and one `@rule` record each, a shared
     top-k `select`, and each rule's decode form. Adding a rule is one function and one line.
- 3. The policy that runs them (`Policy`: per layer a prefill and a decode `Phase`), and
-    PyramidKV's layer schedule (`Pyramid`).
+ 3. The policy that runs them (`Policy`: per layer a prefill and a decode `Phase`), PyramidKV's
+    layer schedule (`Pyramid`) and the head-wise allocations (`Headwise`: AdaKV, KVzip).
 
 Notation: B batch, T prompt tokens, S cached entries, H query heads, G KV heads, g = H/G,
 L layers, w observation window, A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j), causal, in fp32.
@@ -44,11 +44,8 @@ from support.files import write_atomic
 #   colsum   Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
 #   window   Σ_{i in last w} A[h,i,j]   SnapKV's observation window
 #   last     A[h,T−1,j]                 TOVA's last query
-#   recon    max_u A_rec[h,u,j]         KVzip: the most attention a query of the reconstruction
-#                                       pass pays entry j (`reconstruct`)
-#   queries  (μ (B, H, D), Σ (B, H, D, D)): mean and covariance of the prompt's pre-RoPE queries
-#            past the sinks, advanced by the mean RoPE rotation of the next positions
-#            (`query_stats`, Expected Attention)
+#   recon    max_u A_rec[h,u,j]         KVzip: most attention from its reconstruction pass
+#   queries  (μ (B, H, D), Σ (B, H, D, D))  Expected Attention's query statistics (`query_stats`)
 # A method may add its own per-layer statistic (`Needs.extra`, e.g. GraceKV's value flow): an
 # object with lowest(T) (the first query row it reads), begin(q, lc) -> state,
 # add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
@@ -66,7 +63,7 @@ class Needs:
     extra: tuple = ()     # ((name, statistic), ...): a method's own per-layer statistics
     n_sink: int = 4       # `queries`: the first n_sink queries left out; `recon`: sinks kept
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
-    repeat: tuple = ()    # `recon`: the reconstruction prompt's ids (`reconstruction_prompt`)
+    repeat: tuple = ()    # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
 
 
 # which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
@@ -74,9 +71,8 @@ PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat"
 
 
 def union(needs: list, n_layers: int) -> Needs:
-    """What a shared prefill must observe for all of `needs`: per layer the union of the
-    statistics, each extra statistic merged by name, the smallest chunk. Methods that read a
-    statistic must agree on its parameters (PARAMS)."""
+    """For all of `needs`: per layer the union of the statistics, extras merged by name, the
+    smallest chunk; methods reading a statistic must agree on its parameters (PARAMS)."""
     stats = [frozenset()] * n_layers
     params, extra, chunk = {}, {}, min([n.chunk for n in needs] or [256])
     for n in needs:
@@ -185,10 +181,9 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=()):
 
 @torch.no_grad()
 def observe(model, tokens, needs: Needs, spy=None):
-    """One full-attention prefill of tokens (B, T) recording what `needs` asks for, layer by
-    layer, each layer's attention computed once; then, if some layer reads `recon`, KVzip's
-    reconstruction pass. Returns (FullKV cache, Observation). spy: an extra post-kernel
-    callable (layer, q, q_pos, lc, out) that sees the same pass."""
+    """One full-attention prefill of tokens (B, T) recording what `needs` asks for, each layer's
+    attention computed once (then KVzip's pass if a layer reads `recon`): (FullKV cache,
+    Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out)."""
     L = model.config.n_layers
     per_layer = needs.stats or (frozenset(),) * L
     obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
@@ -231,36 +226,20 @@ def query_stats(q, q_pos, inv_freq, n_sink: int, future: int):
     return mu @ Rt, Rt.T @ cov @ Rt
 
 
-def reconstruction_prompt(tok) -> tuple:
-    """KVzip's reconstruction prompt as ids (kvpress `KVzipPress.prepare`): the instruction for
-    the first chunk, the one for later chunks, and the suffix (the chat template's text after
-    the user turn, "\n" for a tokenizer without one)."""
-    enc = lambda t: tuple(tok.encode(t, add_special_tokens=False))
-    suffix = "\n"
-    if getattr(tok, "has_chat_template", False):
-        mark = "dummy context\n" + "#" * 13
-        suffix = tok.chat(mark).split(mark)[1]
-    return (enc("\n\nRepeat the previous context exactly."),
-            enc("\n\nRepeat the part of the previous context exactly, starting with"), enc(suffix))
-
-
 @torch.no_grad()
 def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink: int = 4,
                 chunk: int = 2048, overlap: int = 8) -> dict:
     """KVzip's scores (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
-    Reconstruction"; kvpress `KVzipPress`): the prompt, in chunks of `chunk` tokens, is fed again
-    after the FullKV cache behind a prompt to repeat it (first chunk: instruction + suffix +
-    chunk; later: instruction + the previous chunk's last `overlap` tokens + suffix + chunk), each
-    chunk on its own fork of `full` (the cache is left as it was). For every query u of that pass,
-    A_rec[h,u,·] = softmax over the sinks (min(n_sink, chunk start)), the chunk's own entries and
-    the pass's causal keys; score_j = max_u A_rec[h,u,j] per query head. Returns {layer: (B, H, T)}."""
+    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt is fed again after a fork
+    of the FullKV cache (left as it was), behind an instruction to repeat it (later chunks: + the
+    previous chunk's last `overlap` tokens) and the suffix. Per query u of that pass, A_rec[h,u,·]
+    = softmax over the sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec."""
     if not repeat:
-        raise UsageError("kvzip needs the reconstruction prompt: RuleSettings(repeat=polykv.reconstruction_prompt(tok))")
+        raise UsageError("kvzip needs the reconstruction prompt: RuleSettings(repeat=tasks.reconstruction_prompt(tok))")
     B, T = tokens.shape
     first, later, suffix = (torch.tensor([r], dtype=torch.long, device=tokens.device).expand(B, -1) for r in repeat)
-    H = model.config.n_heads
     acc = torch.float64 if model.dtype == torch.float64 else torch.float32
-    out = {l: torch.zeros(B, H, T, dtype=acc, device=tokens.device) for l in layers}
+    out = {l: torch.zeros(B, model.config.n_heads, T, dtype=acc, device=tokens.device) for l in layers}
     for a in range(0, T, chunk):
         b, sink = min(T, a + chunk), min(n_sink, a)
         lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
@@ -296,14 +275,10 @@ def observe_for(model, tokens, methods: list):
 # higher = keep; protected (T,) bool, always kept). `select` keeps the top-`budget` (protected
 # first, ties toward the later position) sorted by position. GQA: a score per query head is
 # reduced to its KV head by the mean over its g query heads (kvpress convention); TOVA averages
-# over all H heads of the layer (one kept set shared by the layer's KV heads, as TOVA's
-# `tova_cache.py`). Departures from the original code:
-# - H2O and TOVA evict token by token during prefill in their original code; here, as in
-#   KVCache-Factory and the PolyKV framework, they score once after a full-attention prefill.
-# - StreamingLLM re-assigns cache positions to the kept tokens; here kept keys keep their
-#   original rotation and queries their true positions (the cache contract, model.py).
-# - PyramidKV is not a rule: at a fixed layer budget it is SnapKV; its layer schedule is
-#   `pyramid_budgets` (the `pyramidkv` method).
+# over all H heads (one kept set per layer, as `tova_cache.py`). Departures from the original
+# code (docs/design.md): H2O and TOVA score once after a full prefill (KVCache-Factory's form),
+# not token by token; StreamingLLM's kept keys keep their rotation; PyramidKV is SnapKV with a
+# layer schedule (`pyramid_budgets`), not a rule.
 
 @dataclass(frozen=True)
 class RuleSettings:
@@ -316,7 +291,7 @@ class RuleSettings:
     pool: str = "max"     # SnapKV's pooling over j: "max" (SnapKV, KVCache-Factory) or "avg" (kvpress)
     tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
     future: int = 512     # Expected Attention's future positions (kvpress default)
-    repeat: tuple = ()    # KVzip's reconstruction prompt, ids (`reconstruction_prompt(tok)`)
+    repeat: tuple = ()    # KVzip's reconstruction prompt, ids (support.tasks.reconstruction_prompt)
 
     def __post_init__(self):
         object.__setattr__(self, "repeat", tuple(tuple(r) for r in self.repeat))   # JSON lists back to tuples
@@ -329,17 +304,8 @@ class RuleSettings:
             raise UsageError(f"pool must be 'max' or 'avg', got {self.pool!r}")
 
 
-# NVIDIA kvpress 0.5.5's conventions (kvpress/presses/*_press.py), where they differ from the
-# papers' reference code that the defaults follow:
-#   SnapKV        window 64 (ours 32), kernel 5 (ours 7), *average* pooling with zero padding
-#                 counted (ours: max), window attention averaged rather than summed (the same
-#                 ranking: a constant factor 1/w on every score);
-#   StreamingLLM  4 sinks + the most recent: the same kept set;
-#   TOVA          the last query's attention over keys < T−1, mean over all heads, the last
-#                 token always kept (ours scores all T keys and protects none);
-#   K-norm        −‖k‖: the same.
-# kvpress picks the kept set with torch.topk (ties unspecified) for n_kept = max(1, int(T·(1 − r)))
-# at compression ratio r; this project's `select` breaks ties toward the later position.
+# NVIDIA kvpress 0.5.5's conventions where they differ from the papers' code that the defaults
+# follow (docs/design.md has the table): SnapKV's window, kernel and average pooling; TOVA's last token.
 KVPRESS = RuleSettings(window=64, kernel=5, n_sink=4, pool="avg", tova_keep_last=True)
 
 
@@ -387,8 +353,7 @@ def none_protected(T: int) -> torch.Tensor:
     return torch.zeros(T, dtype=torch.bool)
 
 
-def recent(T: int, w: int) -> torch.Tensor:
-    """(T,) the last w positions."""
+def recent(T: int, w: int) -> torch.Tensor:      # (T,) the last w positions
     return torch.arange(T) >= T - w
 
 
@@ -449,10 +414,9 @@ def knorm(x: ScoreInput):
 @rule("expected", needs={"queries"})
 def expected(x: ScoreInput):
     """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by
-    Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`,
-    its defaults): future queries q ~ N(μ', Σ') (the `queries` statistic), so
-    E[exp(q·k/√D)] = exp(μ'·k/√D + ½ kᵀΣ'k/D); per query head a softmax of that logit over the
-    keys past the n_sink sinks, group mean, times ‖v_j‖. The sinks are kept."""
+    Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`):
+    future q ~ N(μ', Σ') (`queries`), E[exp(q·k/√D)] = exp(μ'·k/√D + ½kᵀΣ'k/D); per query head
+    a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖; sinks kept."""
     B, G, T = x.shape
     n = x.settings.n_sink
     mu, cov = x.stats["queries"]                                              # (B, H, D), (B, H, D, D)
@@ -465,11 +429,9 @@ def expected(x: ScoreInput):
 
 @rule("kvzip", needs={"recon"})
 def kvzip(x: ScoreInput):
-    """KVzip (Kim et al. 2025; kvpress `KVzipPress`): s_j = max over the KV head's g query heads
-    of the `recon` statistic, the most attention entry j receives while the model repeats the
-    prompt (`reconstruct`); the n_sink sinks are kept. Query-agnostic: it reads no question.
-    At one budget per (layer, head) this is the rule in PolyKV's pool; KVzip's own allocation
-    is global over layers and heads (`ALLOCATIONS`)."""
+    """KVzip (Kim et al. 2025; kvpress `KVzipPress`): s_j = max over the group of `recon`, the
+    most attention j receives while the model repeats the prompt; sinks kept; query-agnostic.
+    This per-head form is PolyKV's pool rule; KVzip's own allocation is global (`ALLOCATIONS`)."""
     B, G, T = x.shape
     r = x.stats["recon"]
     return r.view(B, G, r.shape[1] // G, T).amax(2), torch.arange(T) < x.settings.n_sink
@@ -795,16 +757,13 @@ def allocation(name: str) -> Optional[tuple]:
 
 @dataclass
 class Headwise(Method):
-    """Head-wise budgets over a rule's scores, stored ragged (each KV head holds exactly its own
-    entries, model.LayerCache.ragged), so its allocated slots are its entries.
-
-    scope "layer" (AdaKV: Feng et al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive
-    Budget Allocation"; kvpress `AdaKVPress`): each layer keeps its G·B best (KV head, entry)
-    pairs, every head first guaranteed its top n_safe = max(1, ⌊α·B⌋) (α = 0.2, kvpress
-    `alpha_safeguard`). scope "model" (KVzip's default, kvpress `layerwise=False`): the L·G·B best
-    pairs over every layer and head, no safeguard. Protected entries (the rule's sinks, window)
-    are kept first; ties go to the later position, then the later head (layer). Appends while
-    decoding (as kvpress: these presses compress the prefill only)."""
+    """Head-wise budgets over a rule's scores, stored ragged (model.LayerCache.ragged: each KV
+    head holds exactly its entries, so allocated slots = entries). scope "layer" (AdaKV: Feng et
+    al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation"; kvpress
+    `AdaKVPress`): a layer keeps its G·B best (head, entry) pairs, each head first guaranteed its
+    top n_safe = max(1, ⌊α·B⌋) (kvpress `alpha_safeguard` = 0.2). scope "model" (KVzip, kvpress
+    `layerwise=False`): the L·G·B best pairs of all layers and heads, no safeguard. Protected
+    entries first; ties to the later (layer, head, position). Decoding appends (as kvpress)."""
     rule: str
     budget: int
     scope: str = "layer"
@@ -826,17 +785,13 @@ class Headwise(Method):
                 n_safe = max(1, int(self.budget * self.alpha))
                 sc = sc.scatter(1, select(sc[None], n_safe, torch.zeros(T, dtype=torch.bool))[0], float("inf"))
             scores.append(sc)
-        groups = [torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]
-        kept = []                                                                      # (L', G, T) bool each
-        for sc in groups:
-            flat = sc.reshape(1, 1, -1)
-            idx = select(flat, sc.shape[0] * G * self.budget, torch.zeros(flat.shape[2], dtype=torch.bool))
-            kept.append(torch.zeros(flat.shape[2], dtype=torch.bool).index_fill(0, idx[0, 0], True).view(sc.shape))
-        kept = torch.cat(kept)                                                         # (L, G, T)
-        dev = full.layers[0].k.device
-        layers = [lc.ragged([kept[l, g].nonzero()[:, 0].to(dev) for g in range(G)])
-                  for l, lc in enumerate(full.layers)]
-        return Cache(layers, full.next_pos, full.last_logits)
+        kept = []                                      # the best pairs of each group: (L', G, T) bool
+        for sc in ([torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]):
+            idx = select(sc.reshape(1, 1, -1), sc.shape[0] * G * self.budget, torch.zeros(sc.numel(), dtype=torch.bool))
+            kept.append(torch.zeros(sc.numel(), dtype=torch.bool).index_fill(0, idx[0, 0], True).view(sc.shape))
+        kept, dev = torch.cat(kept), full.layers[0].k.device                            # (L, G, T)
+        return Cache([lc.ragged([kept[l, g].nonzero()[:, 0].to(dev) for g in range(G)])
+                      for l, lc in enumerate(full.layers)], full.next_pos, full.last_logits)
 
 
 @torch.no_grad()

@@ -407,3 +407,18 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
 
 # name -> gen(tokenizer, target_tokens, seed, index) -> Sample
 RULER_TASKS = {**{name: functools.partial(niah, name) for name in NIAH}, "vt": vt, "fwe": fwe, "cwe": cwe}
+
+
+# ----------------------------------------------------------------------------- KVzip's prompt
+
+def reconstruction_prompt(tok) -> tuple:
+    """KVzip's reconstruction prompt as ids (kvpress `KVzipPress.prepare`): the instruction for
+    the first chunk, the one for later chunks, and the suffix (the chat template's text after
+    the user turn; a newline for a tokenizer without one)."""
+    enc = lambda t: tuple(tok.encode(t, add_special_tokens=False))
+    suffix = "\n"
+    if getattr(tok, "has_chat_template", False):
+        mark = "dummy context\n" + "#" * 13
+        suffix = tok.chat(mark).split(mark)[1]
+    return (enc("\n\nRepeat the previous context exactly."),
+            enc("\n\nRepeat the part of the previous context exactly, starting with"), enc(suffix))

@@ -14,7 +14,7 @@ settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
 # KVzip's reconstruction prompt (first instruction, later instruction, suffix) as ids of the tiny
-# vocabulary: polykv.reconstruction_prompt(tok) gives the real one for a tokenizer
+# vocabulary: support.tasks.reconstruction_prompt(tok) gives the real one for a tokenizer
 REPEAT = ((7, 8, 9, 10), (11, 12, 13), (14,))
 
 

@@ -10,7 +10,7 @@ import torch
 
 import model as M
 import oracle
-from support import checkpoint
+from support import checkpoint, tasks
 import polykv as P
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,7 +102,7 @@ def test_cli_dump_compare_exit_codes(tmp_path):
         (folder / f.name).write_bytes(f.read_bytes())
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
     run = lambda *a: subprocess.run([sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True)
-    for method, out in (("tova", "a"), ("h2o", "b")):
+    for method, out in (("tova", "a"), ("h2o", "b"), ("adakv", "c"), ("kvzip", "d")):
         r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method", method,
                 "--budget", "40", "--out", str(tmp_path / f"{out}.st"))
         assert r.returncode == 0, r.stderr
@@ -110,6 +110,9 @@ def test_cli_dump_compare_exit_codes(tmp_path):
         run("compare", str(tmp_path / "a.st"), str(tmp_path / "b.st"))
     assert same.returncode == 0 and "4/4 (layer, KV head) units agree (100.0 %)" in same.stdout
     assert other.returncode == 1 and other.stdout.strip().endswith("FAIL")
+    for f in ("c", "d"):          # head-wise (ragged) caches dump as padded kept sets and round-trip
+        r = run("compare", str(tmp_path / f"{f}.st"), str(tmp_path / f"{f}.st"))
+        assert r.returncode == 0 and "4/4 (layer, KV head) units agree" in r.stdout, r.stdout + r.stderr
     bad = run("compare", str(tmp_path / "a.st"), str(tmp_path / "t.json"))
     assert bad.returncode != 0 and bad.stderr.startswith("error: cannot read") and "Traceback" not in bad.stderr
     for text, why in (('[1, 2', "is not JSON"), ('{"a": 1}', "non-empty JSON list of integer"),
@@ -125,7 +128,7 @@ def kept_by(tiny, golden, name):
     """Per (layer, KV head) kept positions of a --methods name under kvpress's conventions and
     KVzip's reconstruction prompt in the golden folder's character tokenizer."""
     tok = checkpoint.Tokenizer(GOLDEN / "tiny-llama" / "tokenizer.json")
-    s = P.RuleSettings(**{**P.KVPRESS.__dict__, "repeat": P.reconstruction_prompt(tok)})
+    s = P.RuleSettings(**{**P.KVPRESS.__dict__, "repeat": tasks.reconstruction_prompt(tok)})
     cache = oracle.make_method(name, golden["n_kept"], tiny.config.n_layers, s).prefill(tiny, torch.tensor([golden["tokens"]]))
     G = tiny.config.n_kv_heads
     return [[lc.dense(G).pos[0, g][lc.dense(G).pos[0, g] >= 0].tolist() for g in range(G)] for lc in cache.layers]
