@@ -1,33 +1,36 @@
 """GraceKV: one global budget of cache entries, spent on coverage or on resolution.
 
 Tian, Liu, Wang, "Every Cache Entry Earns Its Place: Global Allocation of Resolution and
-Coverage for KV Cache Compression" (arXiv 2608.07001, 2026). No code is public. Every
-(layer, KV head) is a *unit* with a prototype tree over each slot of the context; adding a
-slot's root widens coverage, splitting an added node refines resolution, and all actions of all
-units compete for one budget. Read top to bottom, in the paper's order:
+Coverage for KV Cache Compression" (arXiv 2608.07001, 2026), by its equations (2)-(13). No code
+is public. Every (layer, KV head) is a *unit* with a prototype tree over each slot of the
+context; adding a slot's root widens coverage, splitting an added node refines resolution, and
+all actions of all units compete for one budget. Read top to bottom, in the paper's order:
 
- 1. Budget: B entries per unit on average; the recent window of r tokens is kept exact and
-    charged; a prompt with T <= B is returned uncompressed (FullKV).
- 2. Slots: the context is cut at bends κ of the hidden-state trajectory (eqs. 4-5).
- 3. Prototype trees and distortion: a node (a span of n tokens) is one entry with key
-    k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)) (eq. 6), value ṽ = Σ(R_t+β)v_t / Σ(R_t+β)
-    and multiplicity m = clamp(n·ħ², 1, n) entering attention as the logit bias log m (eq. 7);
-    its distortion D for the probe queries in log space, D(drop) for keeping nothing (eq. 8).
- 4. Value flow: token relevance R (what the probes attend to, spread along attention for a
-    few decayed hops; eqs. 9-10), observed in the shared prefill (`ValueFlow`).
- 5. Head weights ω per unit (eq. 11).
- 6. Budget flow: one max-heap over "add a slot root" (Δ_add = ω·R·(D_drop − D), cost 1) and
-    "split an added node" actions of all units by gain per entry (eqs. 12-13).
- 7. Singleton floor: exact tokens reserved before the competition.
- 8. Cache assembly: floor, window, leaves exact; prototypes with bias log m.
+ 1. Budget (2): B entries per unit on average; the recent window of r tokens is kept exact and
+    charged; B_alloc = U·B − U·r − B_floor goes to the greedy; T <= B is FullKV.
+ 2. Slots (4)-(5): bends κ of the hidden-state trajectory over several layers and widths
+    (mean − λ_stab·std), robust z-scored, cut by dynamic programming into slots of 16..128.
+ 3. Prototype trees and distortion (6)-(8): a node (n tokens) is one entry with key
+    k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value ṽ = Σ(R_t+β_v)v_t / Σ(R_t+β_v) with
+    the node's own β_v = 0.1·mean_{t∈v} R_t, and multiplicity m = clamp(n·ħ², 1, n) entering
+    attention as the logit bias log m; its distortion D for the probes, D(drop) for nothing.
+ 4. Relevance (9)-(10): each unit's own first hop ŝ (what its query heads' probes attend to);
+    seeds = the top tokens of the mean ŝ, propagated hop by hop along a few sampled layers'
+    attention, chosen seeds removed at each hop, to d̂ (shared); R = (1−λ)ŝ + λd̂ per unit.
+ 5. Head weights ω per unit (11).
+ 6. Budget flow (12)-(13): one max-heap over "add a slot root" (cost 1) and "split an added
+    node" — a bisection at the highest κ (2 children, cost 1) or the extraction of its top-R
+    token with both sides kept (3 children, cost 2) — by gain per entry.
+ 7. Singleton floor: exact tokens from the seeds, reserved before the competition.
+ 8. Cache assembly: a ragged cache (each unit exactly its entries); prototypes with bias log m.
 
 Notation: T prompt tokens, r recent window, Tc = T − r context tokens, H query heads, G KV
 heads, g = H/G, D head dim, L layers, U = L·G units, P = g·r probes per unit, n tokens in a
-node. One prompt at a time (batch 1). The cache holds at most U·B real entries.
+node. One prompt at a time (batch 1). The cache holds at most U·B entries.
 
-[choices] where the reading of the paper is open are marked so beside the code; docs/gracekv.md
-("Choices") lists them with the measurements behind them, and every variant's row.
-Variants (`VARIANTS`) swap one function or setting each; the kernels never branch on them.
+[choices] where the paper is open are marked so beside the code; docs/gracekv.md ("Choices")
+lists them. Variants (`VARIANTS`) swap one function or setting each, among them this
+project's earlier readings; the kernels never branch on them.
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import Callable, NamedTuple, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -44,7 +47,9 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
-from support.greedy import Slots, peek
+from support import gracekv_variants as V
+from support.greedy import Plan, Split, add_nodes, batched_logits, by_length, peek
+from support.greedy import picture  # noqa: F401  (gracekv.picture: the README's API)
 
 
 def _later(name: str):
@@ -55,29 +60,39 @@ def _later(name: str):
 @dataclass(frozen=True)
 class Settings:
     window: int = 32          # r: exact recent tokens = probe queries [choice: SnapKV's w = 32]
-    slot_min: int = 16        # slot lengths 16..128 (the paper; target 64)
+    slot_min: int = 16        # slot lengths 16..128, about 64 (the paper)
     slot_max: int = 128
-    bend_width: int = 8       # tokens averaged before/after i in κ_i [choice]
-    bend_layer: Optional[int] = None  # layer whose cache traces the hidden state; None = L//2 [choice]
-    lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph, hops, decay: not given by the paper [choice]
+    slot_target: int = 64     # [choice: the DP cuts the context into round(Tc / 64) slots]
+    bend_depths: tuple = (0.25, 0.5, 0.75)  # κ's layers, as fractions of the depth [choice]
+    bend_widths: tuple = (4, 8, 16)         # κ's window widths w [choice]
+    lambda_stab: float = 0.5  # κ = mean − λ_stab·std over (layer, width) [choice]
+    lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph: not given by the paper [choice]
     lambda_m: float = 1.0
     lambda_graph: float = 0.3
-    hops: int = 2
-    decay: float = 0.5
-    beta: float = 0.1         # β = 0.1·mean R_t in the value weights (eq. 7)
-    floor_frac: float = 0.1   # singleton floor: share of the non-window budget [choice]
+    seeds: int = 16           # seeds per hop [choice]
+    hops: int = 2             # propagation hops [choice]
+    decay: float = 0.5        # hop k weighs decay^(k−1) [choice]
+    hop_depths: tuple = (0.25, 0.5, 0.75)   # the sampled layers, as fractions of the depth [choice]
+    dense_hops: int = 0       # hops of the dense value flow (only its variant reads them)
+    beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
+    floor_frac: float = 0.1   # floor: per unit min(seeds, ⌊φ·(B − r)⌋) exact tokens [choice]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
     # the formulas a variant may swap (VARIANTS), each picked once here, never branched on:
     key: Callable = _later("key_unrotated")              # a node's key k̃ (eq. 6)
     multiplicity: Callable = _later("multiplicity_hbar")  # its log m (eq. 7)
-    unit_rows: Callable = _later("shared_row")           # R per unit from the per-unit rows (eq. 10)
-    rank_adds: Callable = _later("rank_with_lookahead")   # what an add competes with in the heap
+    value_beta: Callable = _later("beta_local")          # β in its value weights (eq. 7)
+    slotting: Callable = _later("dp_slots")              # slots from the boundary scores (eq. 5)
+    multi_hop: Callable = _later("seeded_hops")          # d̂ and the seeds (eqs. 9-10)
+    unit_rows: Callable = _later("own_rows")             # R per unit (eq. 10)
+    extract: Callable = _later("extract_three")          # salient-token extraction
+    rank_adds: Callable = _later("rank_by_gain")         # what an add competes with (eq. 13)
+    floor: Callable = _later("seed_floor")               # the singleton floor
 
     def __post_init__(self):
-        if min(self.window, self.slot_min, self.bend_width, self.prefetch) < 1:
-            raise UsageError("window, slot_min, bend_width and prefetch must be >= 1")
+        if min(self.window, self.slot_min, self.prefetch, self.seeds, min(self.bend_widths)) < 1:
+            raise UsageError("window, slot_min, seeds, bend widths and prefetch must be >= 1")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
         if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and self.hops >= 0):
@@ -88,28 +103,37 @@ class Settings:
         return {k: getattr(v, "__name__", v) for k, v in self.__dict__.items()}
 
 
+def depths(fracs, L: int) -> list:
+    """Layer indices at fractions of the depth: round(f·(L − 1)), distinct."""
+    return sorted({round(f * (L - 1)) for f in fracs})
+
+
 # ============================================================================= observation: probes and value flow
 
 @dataclass(frozen=True)
 class ValueFlow:
     """GraceKV's per-layer statistic of the shared prefill (polykv.Needs.extra): the probe queries
-    (the last r tokens) and the value flow x^0_i = Σ_{u∈U} Ā[u, i] (Ā the group-mean attention),
-    x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i]. Query rows come in descending chunks, so every hop takes the
-    same pass. Value per layer: (probes (H, r, D), x (hops+1, G, T))."""
+    (the last r tokens), the first hop x^0_i = Σ_{u∈U} Ā[u, i] per KV head (Ā the group-mean
+    attention) and, for the dense variant, x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i] (query rows come in
+    descending chunks, so every hop takes the same pass); the queries of the `sampled` layers,
+    for the hop-wise propagation. Value per layer: (probes (H, r, D), x (hops+1, G, T), queries
+    (H, T, D) or None)."""
     window: int = 32
-    hops: int = 2
+    hops: int = 0
+    sampled: tuple = ()
 
-    def lowest(self, T: int) -> int:            # hops read every row; the first hop the last r
+    def lowest(self, T: int) -> int:            # dense hops read every row; the first hop the last r
         return 0 if self.hops else T - min(self.window, T)
 
-    def begin(self, q, lc) -> dict:
+    def begin(self, q, lc, layer: int) -> dict:
         B, H, T, D = q.shape
         acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         r = min(self.window, T)
         seed = torch.zeros(T, dtype=acc, device=q.device)
         seed[T - r:] = 1.0                                           # the probe rows u ∈ U
         return {"x": q.new_zeros(self.hops + 1, lc.k.shape[1], T, dtype=acc), "seed": seed,
-                "probes": q[0, :, T - r:].contiguous().clone()}
+                "probes": q[0, :, T - r:].contiguous().clone(),
+                "queries": q[0].clone() if layer in self.sampled else None}
 
     def add(self, st: dict, c0: int, c1: int, p):
         G, x = st["x"].shape[1], st["x"]
@@ -120,13 +144,13 @@ class ValueFlow:
             prev = x[k, :, c0:c1]
 
     def end(self, st: dict):
-        return st["probes"], st["x"]
+        return st["probes"], st["x"], st["queries"]
 
     def merge(self, other: "ValueFlow") -> "ValueFlow":
-        """Variants with other hop counts share one pass: the most hops serve all."""
+        """Variants share one pass: the most dense hops and every sampled layer serve all."""
         if other.window != self.window:
             raise UsageError(f"GraceKV variants observe with different windows: {self} vs {other}")
-        return self if self.hops >= other.hops else other
+        return ValueFlow(self.window, max(self.hops, other.hops), tuple(sorted(set(self.sampled) | set(other.sampled))))
 
 
 @dataclass
@@ -135,23 +159,24 @@ class Flow:
     window: int
     probes: list = field(default_factory=list)  # [(H, r, D)] post-RoPE queries of the last r tokens
     flow: list = field(default_factory=list)    # [(hops+1, G, T)] x^0 = s (first hop), x^k = x^{k−1}·Ā
+    queries: list = field(default_factory=list)  # [(H, T, D) or None] the sampled layers' queries
 
 
-def needs(s: "Settings") -> polykv.Needs:
-    """What GraceKV observes during the prefill: the probes and the value flow."""
-    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.hops)),))
+def needs(s: "Settings", n_layers: int) -> polykv.Needs:
+    """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries."""
+    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, tuple(depths(s.hop_depths, n_layers)))),))
 
 
 def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    probes, flow = zip(*obs.extra["flow"])
-    return Flow(window, list(probes), list(flow))
+    probes, flow, queries = zip(*obs.extra["flow"])
+    return Flow(window, list(probes), list(flow), list(queries))
 
 
 @torch.no_grad()
 def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 256):
     """Full prefill of tokens (1, T) observing the probes and flow (chunk: query rows per pass)."""
     s = settings or Settings()
-    full, obs = polykv.observe(model, tokens, polykv.Needs(chunk=chunk, extra=needs(s).extra))
+    full, obs = polykv.observe(model, tokens, polykv.Needs(chunk=chunk, extra=needs(s, model.config.n_layers).extra))
     return full, flow_of(obs, s.window)
 
 
@@ -172,27 +197,59 @@ def bends(h: torch.Tensor, w: int) -> torch.Tensor:
     return k
 
 
-def segment(kappa: torch.Tensor, Tc: int, s: Settings) -> list:
-    """Slots [(a, b)] covering [0, Tc): cut at the highest κ in [a+slot_min, a+slot_max]."""
-    slots, a = [], 0
-    while Tc - a > s.slot_max:
-        hi = min(a + s.slot_max, Tc - s.slot_min)
-        c = a + s.slot_min + int(kappa[a + s.slot_min:hi + 1].argmax())
-        slots.append((a, c))
-        a = c
-    return slots + ([(a, Tc)] if Tc > a else [])
+def robust_z(x: torch.Tensor) -> torch.Tensor:
+    """(x − median) / (1.4826·MAD + 1e-12): a z-score that a few large bends do not flatten [choice]."""
+    med = x.median()
+    return (x - med) / (1.4826 * (x - med).abs().median() + 1e-12)
 
 
 def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
-    """Bends κ (Tc,) of the layer-L/2 trajectory h_t = [k°_t/‖k°_t‖, v_t/‖v_t‖] over
-    heads (the cache's un-rotated keys and values: a linear image of the hidden state)."""
-    lb = model.config.n_layers // 2 if s.bend_layer is None else s.bend_layer
-    lc = full.layers[lb]
-    T = lc.k.shape[2]
-    pos = torch.arange(T, device=lc.k.device)
-    kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)         # (G, T, D)
-    h = torch.cat((F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1)
-    return bends(h.transpose(0, 1).reshape(T, -1), s.bend_width)[:Tc]
+    """Boundary scores b (Tc,) of eq. 5: κ_i^{(l,w)} of the trajectories h_t = [k°_t/‖k°_t‖,
+    v_t/‖v_t‖] over heads (the cache's un-rotated keys and values at layer l: a linear image of the
+    hidden state) for the layers at `bend_depths` and the widths `bend_widths`; κ = mean −
+    λ_stab·std over (l, w); b = z(κ), robust. (The surprisal term λ_s·z(−log p) is not used: the
+    shared prefill keeps no per-token logits.)"""
+    T = full.layers[0].k.shape[2]
+    pos = torch.arange(T, device=full.layers[0].k.device)
+    ks = []
+    for lb in depths(s.bend_depths, model.config.n_layers):
+        lc = full.layers[lb]
+        kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)       # (G, T, D)
+        h = torch.cat((F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1).transpose(0, 1)
+        ks += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
+    k = torch.stack(ks)                                                # (layers·widths, Tc)
+    kappa = k.mean(0) - s.lambda_stab * (k.std(0, unbiased=False) if len(ks) > 1 else 0)
+    return robust_z(kappa) if Tc > 1 else kappa
+
+
+def n_slots(Tc: int, s: Settings) -> int:
+    """K = round(Tc / target), within what lengths slot_min..slot_max allow (1 below slot_min)."""
+    lo, hi = -(-Tc // s.slot_max), max(1, Tc // s.slot_min)
+    return min(max(round(Tc / s.slot_target), lo, 1), hi)
+
+
+def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
+    """Eq. 5: the K-slot segmentation of [0, Tc), every slot slot_min..slot_max tokens, that
+    maximises the sum of b at its K − 1 cuts, by dynamic programming: best_k(i) = b_i + max over
+    j ∈ [i − max, i − min] of best_{k−1}(j), best_0 = 0 at 0 only. O(K·Tc·(max − min))."""
+    K = n_slots(Tc, s)
+    if K <= 1:
+        return [(0, Tc)] if Tc else []
+    W, hi = s.slot_max - s.slot_min + 1, s.slot_max
+    gain = torch.cat((b.detach().double().cpu(), torch.zeros(1, dtype=torch.float64)))   # b_i at cut i
+    best = torch.full((Tc + 1,), float("-inf"), dtype=torch.float64)
+    best[0] = 0.0
+    back = []
+    for k in range(1, K + 1):
+        prev = torch.cat((torch.full((hi,), float("-inf"), dtype=torch.float64), best))   # prev[i + hi] = best(i)
+        m, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)                 # window of i: j = i − hi .. i − lo
+        back.append(arg + torch.arange(Tc + 1) - hi)                  # the previous cut j
+        best = m + (gain if k < K else 0.0)
+    cuts = [Tc]
+    for k in range(K, 0, -1):
+        cuts.append(int(back[k - 1][cuts[-1]]))
+    cuts = cuts[::-1]
+    return list(zip(cuts[:-1], cuts[1:]))
 
 
 # ============================================================================= prototype trees and distortion (eqs. 6-8)
@@ -240,11 +297,6 @@ def key_unrotated(span: Span) -> torch.Tensor:
     return M.apply_rope(span.kbar, span.p, span.cx.inv_freq)
 
 
-def key_post(span: Span) -> torch.Tensor:
-    """Variant: k̃ = mean_t k_t of the post-RoPE keys, so q·k̃ = mean_t q·k_t for every q."""
-    return span.rows(span.cx.k).sum(1) / span.nf[:, None]
-
-
 def multiplicity_hbar(span: Span, qk, logZ) -> torch.Tensor:
     """Eq. 7: ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m = clamp(n·ħ², 1, n); returns log m (N,)."""
     nf = span.nf
@@ -252,19 +304,9 @@ def multiplicity_hbar(span: Span, qk, logZ) -> torch.Tensor:
     return (nf * hbar ** 2).clamp(min=1).minimum(nf).log()
 
 
-def multiplicity_n(span: Span, qk, logZ) -> torch.Tensor:
-    """Variant: m = n (with the post-RoPE key, m·e^{q·k̃} is Jensen's lower bound of Z)."""
-    return span.nf.log()
-
-
-FIT_SLACK = 2.0    # c in the fitted bias's clamp [0, log n + c] [choice]
-
-
-def multiplicity_fit(span: Span, qk, logZ) -> torch.Tensor:
-    """Variant: log m fitted on the probes, the mass-weighted mean of log Z − q·k̃/√D (qk),
-    clamped to [0, log n + FIT_SLACK]."""
-    fit = (torch.softmax(logZ, -1) * (logZ - qk)).sum(-1)
-    return torch.minimum(fit.clamp(min=0), span.nf.log() + FIT_SLACK)
+def beta_local(Rt, mask, nf, beta: float, Tc: int) -> torch.Tensor:
+    """Eq. 7: each node its own β_v = beta·mean_{t∈v} R_t (N,)."""
+    return beta * (Rt * mask).sum(1) / nf
 
 
 def distortion(logZ, mu2, muv, logZp, v2, s):
@@ -283,31 +325,10 @@ def distortion(logZ, mu2, muv, logZp, v2, s):
 
 def node_stats(cx: Units, unit, a, b, skip=None) -> dict:
     """Tightened spans, n, R, D, D(drop) and prototype (key, value, pos, log m) of nodes
-    [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none).
-    Sorted by length, in chunks."""
+    [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none):
+    `_node_stats` over batches of similar lengths (support.greedy.by_length)."""
     skip = torch.full_like(a, -1) if skip is None else skip
-    length = b - a
-    order = length.argsort(stable=True)                                     # short spans together
-    lens, parts, i = length[order].clamp(min=1).tolist(), [], 0
-    cap = max(1, (1 << 21) // cx.lg.shape[2])           # (node, token) pairs per chunk: memory bound
-    while i < len(lens):             # a chunk: 64 spans, then only up to twice the shortest (padding)
-        j = i + 1
-        while j < len(lens) and (j + 1 - i) * lens[j] <= cap and (j - i < 64 or lens[j] < 2 * lens[i]):
-            j += 1
-        parts.append(_node_stats(cx, *(x[order[i:j]] for x in (unit, a, b, skip)), lens[j - 1]))
-        i = j
-    inv = order.argsort()
-    return {k: torch.cat([p[k] for p in parts])[inv] for k in parts[0]}
-
-
-def probe_logits(q, u, key, max_elems: int = 1 << 22):
-    """q_u·k̃/√D (N, P) of node keys key (N, D) of units u (N,) against their unit's probes
-    q (U, P, D): one batched product per chunk of nodes, the gathered probes (chunk, P, D)
-    bounded by max_elems."""
-    step = max(1, max_elems // (q.shape[1] * q.shape[2]))
-    out = [torch.bmm(q.index_select(0, u[i:i + step]), key[i:i + step, :, None])[..., 0]
-           for i in range(0, len(u), step)]
-    return torch.cat(out) / math.sqrt(key.shape[-1]) if out else key.new_zeros(0, q.shape[1])
+    return by_length(lambda *x: _node_stats(cx, *x), (unit, a, b, skip), b - a, cap=max(1, (1 << 21) // cx.lg.shape[2]))
 
 
 def _node_stats(cx: Units, u, a, b, skip, n):
@@ -328,7 +349,7 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     span = Span(cx, rows, nf, p)
     key = s.key(span)                                                         # k̃ (N, D), eq. 6
     Rt = rows(cx.R)                                                           # (N, n), 0 outside
-    w = Rt + s.beta / Tc * mask.to(Rt.dtype)                                  # R_t + β, β = 0.1/Tc
+    w = Rt + s.value_beta(Rt, mask.to(Rt.dtype), nf, s.beta, Tc)[:, None] * mask.to(Rt.dtype)   # R_t + β
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
     lg = rows(cx.lg)                                                          # (N, n, P), −inf outside
     mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)                      # (N, P) log-space shift
@@ -344,7 +365,7 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     else:                            # long spans: μ = eᵀV / Z directly, n·P·D per node
         mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1) / Z ** 2                 # (N, P)
     muv = (e * (V @ val[..., None])).sum(1) / Z                               # (N, P) ⟨μ, ṽ⟩
-    qk = probe_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
+    qk = batched_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
     logm = s.multiplicity(span, qk, logZ)                                     # log m (N,), eq. 7
     logZp = logm[:, None] + qk                                      # log Z̃ = log m + q·k̃/√D − c
     D, Dd = distortion(logZ, mu2, muv, logZp, val.pow(2).sum(-1), s)
@@ -388,26 +409,72 @@ def head_weights(model, full: Cache, lg, acc) -> torch.Tensor:
     return torch.cat(omega)
 
 
-def relevance(flow: Flow, Tc: int, s: Settings):
-    """Eqs. 9-10, value flow: ŝ_j, d̂_j normalised over the context per unit (U, Tc);
-    R_j = (1−λ_graph)·ŝ_j + λ_graph·d̂_j per unit with d = Σ_{k=1..hops} decay^(k−1)·x^k; then
-    Settings.unit_rows turns the per-unit rows into what each unit uses. Returns (R (U, Tc), ŝ)."""
+def relevance(model, full: Cache, flow: Flow, Tc: int, s: Settings):
+    """Eqs. 9-10 per unit: the first hop ŝ (x^0 over the context, normalised per unit), the
+    multi-hop d̂ and the seeds (Settings.multi_hop), R = (1 − λ_graph)·ŝ + λ_graph·d̂; then
+    Settings.unit_rows. Returns (R (U, Tc), ŝ (U, Tc), seeds [token ids, in hop order])."""
     x = torch.stack(flow.flow)[..., :Tc]                             # (L, hops+1, G, Tc)
-    unit = lambda y: y.reshape(-1, Tc) / y.reshape(-1, Tc).sum(-1, keepdim=True).clamp(min=1e-300)
-    s_hat = unit(x[:, 0])                                            # (U, Tc)
-    d_hat = unit(sum(s.decay ** (k - 1) * x[:, k] for k in range(1, s.hops + 1)) if s.hops else x[:, 0])
+    s_hat = unit_norm(x[:, 0].reshape(-1, Tc))                       # (U, Tc)
+    d_hat, seeds = s.multi_hop(model, full, flow, s_hat, x, s)       # (Tc,) shared, or (U, Tc)
     R = (1 - s.lambda_graph) * s_hat + s.lambda_graph * d_hat        # (U, Tc), Σ_t = 1 per unit
-    return s.unit_rows(R), s_hat
+    return s.unit_rows(R), s_hat, seeds
 
 
-def shared_row(R: torch.Tensor) -> torch.Tensor:
-    """One row shared by every unit, the mean of the per-unit rows (U, Tc) [choice]."""
-    return R.mean(0).expand_as(R)
+def unit_norm(y: torch.Tensor) -> torch.Tensor:                       # rows summing to 1
+    return y / y.sum(-1, keepdim=True).clamp(min=1e-300)
 
 
-def half_own_row(R: torch.Tensor) -> torch.Tensor:
-    """Variant: each unit mixes the shared row with its own, ½·mean_j R_j + ½·R_j."""
-    return (1 - 0.5) * R.mean(0) + 0.5 * R
+def hop_rows(model, full: Cache, flow: Flow, Tc: int):
+    """rows(idx) -> (len(idx), Tc): the attention the queries at positions idx (< Tc) pay the
+    context in the sampled layers (those whose queries the flow kept), mean over all H heads and
+    those layers: the token attention map the hops walk on."""
+    H, G = model.config.n_heads, model.config.n_kv_heads
+    layers = [l for l, q in enumerate(flow.queries) if q is not None]
+
+    def rows(idx):
+        out = 0.0
+        for l in layers:
+            q, k = flow.queries[l][:, idx], full.layers[l].k[0, :, :Tc]    # (H, n, D), (G, Tc, D)
+            lg = q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2) / math.sqrt(q.shape[-1])
+            lg = lg.masked_fill(torch.arange(Tc, device=k.device) > idx[:, None], float("-inf"))  # causal
+            out = out + torch.softmax(lg.double(), -1).mean(0) / len(layers)                  # (n, Tc)
+        return out
+    return rows
+
+
+def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
+    """The hop-wise multi-hop of eq. 9-10 on a token attention map rows(idx) -> (|idx|, Tc):
+    seeds S_0 = the n_seeds tokens of highest s̄ (weights s̄); hop k: d_k = Σ_{j∈S_{k−1}} w_j·A[j, ·]
+    with every seed chosen so far set to 0, S_k = its n_seeds best (weights d_k);
+    d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows). Returns (d̂ (Tc,), seeds)."""
+    def order(v):                                                    # best first, ties to the later token
+        best = len(v) - 1 - torch.sort(v.flip(0), descending=True, stable=True).indices
+        return [i for i in best[:n_seeds].tolist() if v[i] > 0]
+    seeds, frontier = [], order(s_bar)
+    w = s_bar[frontier]
+    d = torch.zeros_like(s_bar)
+    seeds += frontier
+    for k in range(1, hops + 1):
+        if not frontier:
+            break
+        mass = (w.to(torch.float64)[:, None] * rows(torch.tensor(frontier))).sum(0).to(s_bar.dtype)   # (Tc,)
+        mass[seeds] = 0.0                                            # chosen seeds leave the flow
+        d += decay ** (k - 1) * mass
+        frontier = order(mass)
+        w = mass[frontier]
+        seeds += frontier
+    return (unit_norm(d) if d.sum() > 0 else s_bar), seeds
+
+
+def seeded_hops(model, full: Cache, flow: Flow, s_hat, x, s: Settings):
+    """The paper's multi-hop: s̄ = mean of ŝ over units, `propagate` on the sampled layers' map."""
+    Tc = s_hat.shape[1]
+    return propagate(unit_norm(s_hat.mean(0)), hop_rows(model, full, flow, Tc), s.seeds, s.hops, s.decay)
+
+
+def own_rows(R: torch.Tensor) -> torch.Tensor:
+    """Eq. 10: each unit keeps its own row R_{l,g} (only d̂ is shared)."""
+    return R
 
 
 @dataclass
@@ -416,10 +483,11 @@ class Context:
     T: int
     r: int                # the exact recent window; Tc = T − r context tokens
     units: Units          # what prototypes are made from
-    sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j of each unit (extraction salience)
+    sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j of each unit
     omega: torch.Tensor   # (U,) head weight ω
-    kappa: torch.Tensor   # (Tc,) bends of the hidden-state trajectory
+    kappa: torch.Tensor   # (Tc,) boundary scores b (bends)
     slots: list           # [(a, b)] the context's slots
+    seeds: list           # the multi-hop's seeds, in hop order (the floor's candidates)
     s: Settings
     G: int = 1            # KV heads per layer: units l·G .. l·G+G−1 share layer l's cache
 
@@ -429,14 +497,14 @@ class Context:
 
 
 def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
-    """One prompt's per-prompt steps (batch 1): probes, head weights ω, value flow R, slots; and
+    """One prompt's per-prompt steps (batch 1): probes, head weights ω, relevance R, slots; and
     the units' un-rotated keys, values and probe log-masses."""
     T = full.layers[0].k.shape[2]
     Tc = T - r
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     q, lg, c = probes(model, full, flow, acc)                       # (U, P, D), (U, P, T), (U, P)
     omega = head_weights(model, full, lg, acc)                       # (U,)
-    R, s_hat = relevance(flow, Tc, s)                                # (U, Tc), (U, Tc)
+    R, s_hat, seeds = relevance(model, full, flow, Tc, s)            # (U, Tc), (U, Tc), [t]
     kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
     pos = torch.arange(T, device=q.device)
     pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
@@ -450,72 +518,26 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
                   hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
                   inv_freq=model.inv_freq, s=s)
     return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
-                   slots=segment(kappa, Tc, s), s=s, G=model.config.n_kv_heads)
+                   slots=s.slotting(kappa, Tc, s), seeds=seeds, s=s, G=model.config.n_kv_heads)
 
 
 # ============================================================================= budget flow (eqs. 12-13)
 # Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1; Δ_split(v) = ω·(R(v)D(v) − Σ_c R(c)D(c)),
 # cost |children| − 1; one max-heap on Δ/cost over all units; a node splits only once added.
 
-@dataclass
-class Node:
-    """A node of a unit's tree (node_stats' fields): span [a, b) minus the unit's holes when made,
-    n tokens, R, D, D(drop), and its prototype: key (D,), value (D,), position, log m."""
-    __slots__ = ("unit", "a", "b", "n", "R", "D", "Ddrop", "key", "val", "pos", "logm")
-    unit: int
-    a: int
-    b: int
-    n: int
-    R: float
-    D: float
-    Ddrop: float
-    key: torch.Tensor
-    val: torch.Tensor
-    pos: int
-    logm: float
-
-
-NODE_FIELDS = Node.__slots__
-
-
-def add_nodes(nodes: list, st: dict, rows) -> list:
-    """Append rows of node_stats' output st to the node table; returns their node ids."""
-    first = len(nodes)
-    cols = [st[f][rows] for f in NODE_FIELDS]
-    cols = [x.tolist() if x.dim() == 1 else x.unbind(0) for x in cols]
-    nodes.extend(Node(*vals) for vals in zip(*cols))
-    return list(range(first, len(nodes)))
-
-
-class Split(NamedTuple):
-    """A node's best split: its gain, its cost in entries and the children it makes."""
-    gain: float
-    cost: int
-    children: list
-
-
-@dataclass
-class Plan:
-    """The forest as far as it was explored, and the greedy's trace: roots have add_gain;
-    evaluated nodes have split (gain, cost, children); steps: (kind, node, gain, cost)."""
-    B_alloc: int
-    nodes: list = field(default_factory=list)     # [Node], node i at index i
-    add_gain: dict = field(default_factory=dict)
-    add_rank: dict = field(default_factory=dict)  # root -> its heap rank (add_gain, or the lookahead's)
-    split: dict = field(default_factory=dict)     # node -> Split
-    steps: list = field(default_factory=list)
-    frontier: set = field(default_factory=set)    # nodes in the cache at the end
-    floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
-    slots: list = field(default_factory=list)     # [(a, b)] the context's slots
-    group: int = 1                                # G: units l·G .. l·G+G−1 share layer l's cache
-    dropped: list = field(default_factory=list)   # (len(steps) then, kind, node): popped, not affordable
+def extract_three(cx, u, a, b, ok, idc):
+    """The paper's extraction: the token t of highest R^tok leaves as an exact leaf, both sides
+    stay nodes: children [a, t), {t}, [t+1, b) (an empty side is no child: t at an end of the
+    span makes 2 children at cost 1 [choice]). Returns (t, [(start, end, skip)], marks holes)."""
+    t = a + cx.units.R[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)
+    none = torch.full_like(a, -1)
+    return t, [(a, t, none), (t, t + 1, none), (t + 1, b, none)], False
 
 
 def best_splits(cx, plan: Plan, ids: list):
-    """Best split of each node: bisection at the highest κ in its central half, or extraction of
-    its most salient token t as an exact leaf, the node minus t standing for the rest (t becomes
-    a hole of the unit, so every later node of that unit, all inside this one, leaves it out).
-    Both cost one entry; the larger gain wins (ties: bisection)."""
+    """Best split of each node, by gain per entry (ties: bisection): a bisection at the highest κ
+    in its central half (2 children, cost 1), or the extraction of Settings.extract (the paper's:
+    3 children, cost 2). Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost = children − 1."""
     nd = plan.nodes
     if not ids:
         return
@@ -528,45 +550,33 @@ def best_splits(cx, plan: Plan, ids: list):
     central = (idx >= a[:, None] + q) & (idx <= b[:, None] - q)
     c = a + cx.kappa[idc].masked_fill(~central, float("-inf")).argmax(1)       # bisection point
     ok = (idx < b[:, None]) & ~cx.units.hole[u[:, None], idc]
-    t = a + cx.sal[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)  # most salient token
+    t, ext, holes = cx.s.extract(cx, u, a, b, ok, idc)
     none = torch.full_like(a, -1)
-    # candidate children (4, N): [a,c), [c,b) | [a,b) ∖ {t}, {t}
-    st = node_stats(cx.units, u.repeat(4), torch.cat((a, c, a, t)), torch.cat((c, b, b, t + 1)),
-                    torch.cat((none, none, t, none)))
-    RD = (st["R"] * st["D"]).view(4, -1)                                      # (4, N)
-    valid = (st["n"] > 0).view(4, -1)
+    cand = [(a, c, none), (c, b, none)] + ext                                  # K candidate children
+    K = len(cand)
+    st = node_stats(cx.units, u.repeat(K), *(torch.cat([x[i] for x in cand]) for i in range(3)))
+    RD = (st["R"] * st["D"]).view(K, -1)                                      # (K, N), a leaf's D = 0
+    valid = (st["n"] > 0).view(K, -1)
     RDv = torch.tensor([nd[i].R * nd[i].D for i in ids], device=a.device, dtype=RD.dtype)
     om = cx.omega[u]
-    # Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost |children| − 1 = 1 (the leaf has D = 0)
-    g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - RD[2])
-    use_ext = g_ext > g_bis                                                   # ties: bisection
-    cx.units.hole[u[use_ext], t[use_ext]] = True
-    gain = torch.where(use_ext, g_ext, g_bis).tolist()
-    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (4, N) children rows
+    g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - (RD[2:] * valid[2:]).sum(0))
+    c_bis, c_ext = valid[:2].sum(0) - 1, (valid[2:].sum(0) - 1).clamp(min=1)
+    use_ext = g_ext / c_ext > g_bis / c_bis.clamp(min=1)
+    if holes:
+        cx.units.hole[u[use_ext], t[use_ext]] = True
+    gain, cost = torch.where(use_ext, g_ext, g_bis).tolist(), torch.where(use_ext, c_ext, c_bis).tolist()
+    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (K, N) children rows
     ik = pick.T.nonzero()                                                     # (node, candidate) pairs
     kids = add_nodes(nd, st, ik[:, 1] * len(ids) + ik[:, 0])
     start = 0
-    for node, gv, nk in zip(ids, gain, pick.sum(0).tolist()):
-        plan.split[node] = Split(gv, nk - 1, kids[start:start + nk])
+    for node, gv, cv, nk in zip(ids, gain, cost, pick.sum(0).tolist()):
+        plan.split[node] = Split(gv, cv, kids[start:start + nk])
         start += nk
 
 
-def rank_by_gain(cx, plan: "Plan") -> dict:
+def rank_by_gain(cx, plan: "Plan", best_splits=None) -> dict:
     """Eq. 13 as stated: an add competes by its own gain per entry, Δ_add / 1."""
     return dict(plan.add_gain)
-
-
-def rank_with_lookahead(cx, plan: "Plan") -> dict:
-    """An add ranked by max(Δ_add, (Δ_add + Δ_split(root))/(1 + cost_split)): a slot whose mass
-    sits on one token has a poor root, and the extraction behind it now competes [choice: won
-    on dev; the paper corrects this myopia with the floor]."""
-    best_splits(cx, plan, [i for i in plan.add_gain if plan.nodes[i].n > 1])
-    rank = dict(plan.add_gain)
-    for i, g in plan.add_gain.items():
-        if i in plan.split:
-            sg, sc = plan.split[i].gain, plan.split[i].cost
-            rank[i] = max(g, (g + sg) / (1 + sc))                       # gain per entry of both
-    return rank
 
 
 def allocate(cx, B_alloc: int) -> Plan:
@@ -574,11 +584,11 @@ def allocate(cx, B_alloc: int) -> Plan:
     applied alone at cost 1) and split(added node) (eq. 13) by gain per entry. Nodes get their
     best split lazily, in batches, before an action that brings them in (and the next `prefetch`
     best) is applied, so every available action is known when it competes. Extractions mark
-    holes in cx.units.hole: one Context serves one call. B_alloc counts allocated slots
-    (`Slots`): an action whose charge does not fit is dropped [choice: not retried]; the greedy
-    goes on while padding can be filled, so a layer's heads end (nearly) equally long."""
+    holes in cx.units.hole: one Context serves one call. B_alloc counts entries (the cache is
+    ragged: each unit holds exactly its own); an action whose cost does not fit what is left
+    is dropped [choice: not retried]."""
     plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots, group=cx.G)  # floor = holes before the greedy
-    cost_of = Slots(plan.floor.sum(1).tolist(), cx.G, B_alloc)   # k more entries of u: G·max(0, n_u + k − cap_l)
+    left = B_alloc                                                  # entries: the cache is ragged
     roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
     if roots:
         u, a, b = (torch.tensor(x, device=cx.units.kr.device) for x in zip(*roots))
@@ -586,7 +596,7 @@ def allocate(cx, B_alloc: int) -> Plan:
         keep = (st["n"] > 0).nonzero()[:, 0]
         gain = (cx.omega[st["unit"]] * st["R"] * (st["Ddrop"] - st["D"]))[keep].tolist()
         plan.add_gain = dict(zip(add_nodes(plan.nodes, st, keep), gain))
-    rank = plan.add_rank = cx.s.rank_adds(cx, plan)
+    rank = plan.add_rank = cx.s.rank_adds(cx, plan, best_splits)
     heap = [(-g, i, "add", i) for i, g in rank.items()]             # (−gain/cost, tie, kind, node)
     heapq.heapify(heap)
     nd, tie = plan.nodes, len(heap)
@@ -595,8 +605,8 @@ def allocate(cx, B_alloc: int) -> Plan:
         new = [v] if kind == "add" else plan.split[v].children
         return [c for c in new if nd[c].n > 1 and c not in plan.split]
 
-    def fits(kind, v):          # the action's charge fits in what is left now
-        return cost_of.charge(nd[v].unit, 1 if kind == "add" else plan.split[v].cost) <= cost_of.left
+    def fits(kind, v):          # the action's cost fits in what is left now
+        return (1 if kind == "add" else plan.split[v].cost) <= left
 
     def below(kind, v, tau):    # what the action brings in and, down splits already evaluated
         out = entering(kind, v)          # that rank >= tau (applied soon after it), what they bring in
@@ -609,7 +619,7 @@ def allocate(cx, B_alloc: int) -> Plan:
                 walk += [k for k in kids if nd[k].n > 1 and k in plan.split]
         return out
 
-    while heap and not cost_of.done():
+    while heap and left > 0:
         kind, v = heap[0][2:]
         if not fits(kind, v):
             heapq.heappop(heap)
@@ -629,7 +639,7 @@ def allocate(cx, B_alloc: int) -> Plan:
                         for c in entering("split", v)}
         _, _, kind, v = heapq.heappop(heap)
         gain, cost, kids = (plan.add_gain[v], 1, [v]) if kind == "add" else plan.split[v]
-        cost_of.take(nd[v].unit, cost)
+        left -= cost
         plan.steps.append((kind, v, gain, cost))
         if kind == "split":
             plan.frontier.remove(v)
@@ -644,27 +654,22 @@ def allocate(cx, B_alloc: int) -> Plan:
 
 # ============================================================================= singleton floor
 
-def singleton_floor(cx: Context, n_floor: int) -> int:
-    """The singleton floor in at most n_floor allocated slots: layer l's G heads each keep their
-    f_l highest-R_t tokens exact (ties to the later token), as holes in their trees; the f_l from
-    one ranking of "one more floor token in every head of layer l", worth Σ_heads ω_j·R_j,(f_l+1)
-    for G slots [choice: whole rows, docs/gracekv.md]. Returns the floor's slots."""
-    Tc, G = cx.Tc, cx.G
-    R, order = cx.units.R[:, :Tc].flip(-1).sort(dim=-1, descending=True, stable=True)   # (U, Tc) per unit
-    row = (cx.omega[:, None] * R).view(-1, G, Tc).sum(1)                 # (L, Tc) non-increasing
-    top = row.reshape(-1).sort(descending=True, stable=True).indices[:n_floor // G]   # prefixes
-    f = torch.bincount(top // Tc, minlength=row.shape[0]).repeat_interleave(G)      # (U,) f_l per head
-    keep = torch.arange(Tc, device=f.device) < f[:, None]                # (U, Tc) the first f_l
-    u = torch.arange(len(f), device=f.device)[:, None].expand(-1, Tc)
-    cx.units.hole[u[keep], Tc - 1 - order[keep]] = True
-    return int(f.sum())
+def seed_floor(cx: Context, per_unit: int) -> int:
+    """The budget-aware singleton floor: the first min(per_unit, |seeds|) seeds of the multi-hop
+    (hop 0 by s̄, then each hop's, best first) kept exact in every unit, as holes in its trees,
+    before the competition; per_unit = ⌊floor_frac·(B − r)⌋ grows with the budget [choice].
+    Returns the floor's entries (never more than U·per_unit)."""
+    f = cx.seeds[:per_unit]
+    if f:
+        cx.units.hole[:, torch.tensor(f, device=cx.units.hole.device)] = True
+    return cx.units.hole.shape[0] * len(f)
 
 
 # ============================================================================= cache assembly
 
 def assemble(cx, full: Cache, plan: Plan) -> Cache:
     """Per unit: floor tokens, window and frontier leaves exact (bias 0), prototypes with bias
-    log m; sorted by position; a layer's heads padded to one size (bias −inf, pos −1)."""
+    log m; sorted by position; a ragged layer (model.LayerCache.pack: no padding)."""
     nd, G, Tc = plan.nodes, full.layers[0].k.shape[1], cx.Tc
     mine = [[] for _ in range(cx.units.kr.shape[0])]
     for i in sorted(plan.frontier):
@@ -687,31 +692,8 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
                 bias = torch.cat((bias, logm))                               # log m: m tokens' mass
             o = pos.argsort(stable=True)
             heads.append((k[o], v[o], pos[o], bias[o]))
-        S = max(len(h[2]) for h in heads)
-        pad = lambda x, val: torch.cat((x, x.new_full((S - len(x), *x.shape[1:]), val)))
-        k, v, pos, bias = (torch.stack([pad(h[i], val) for h in heads])[None]
-                           for i, val in enumerate((0.0, 0.0, -1, float("-inf"))))
-        layers.append(LayerCache(k, v, pos, bias))                            # (1, G, S, ·)
+        layers.append(LayerCache.pack(heads))                                 # (1, 1, Σ_g S_g, ·)
     return Cache(layers, full.next_pos, full.last_logits)
-
-
-def picture(plan: Plan, unit: int, Tc: int) -> list:
-    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
-    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
-    recent window (exact) is not drawn."""
-    nd, row = plan.nodes, ["."] * Tc
-    mine = sorted((nd[i].a, i) for i in plan.frontier if nd[i].unit == unit)
-    leaves = {nd[i].a for _, i in mine if nd[i].n == 1}
-    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
-    for k, (_, i) in enumerate([e for e in mine if nd[e[1]].n > 1]):
-        for t in range(nd[i].a, nd[i].b):
-            if not plan.floor[unit, t] and t not in leaves:
-                row[t] = letters[k % len(letters)]
-    for t in leaves:
-        row[t] = "x"
-    for t in plan.floor[unit].nonzero()[:, 0].tolist():
-        row[t] = "F"
-    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
 
 
 # ============================================================================= the method
@@ -740,9 +722,9 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
         cx = context(model, full, flow, s.window, s)
-        spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r slots
-        floor = singleton_floor(cx, int(s.floor_frac * spare))
-        plan = allocate(cx, spare - floor)
+        spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r (eq. 2)
+        floor = s.floor(cx, int(s.floor_frac * (budget - s.window)))          # B_floor
+        plan = allocate(cx, spare - floor)                                    # B_alloc
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
 
@@ -756,18 +738,25 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
 # GraceKV's rows (evaluate.py --methods): name -> Settings overrides, each swapping one formula
 # or setting; `gracekv` is the method as read here. Their figures: docs/gracekv.md.
 VARIANTS = {"gracekv": {},
-            "gracekv-postkey": {"key": key_post},                 # the exact mean-logit key
-            "gracekv-mn": {"multiplicity": multiplicity_n},       # m = n
-            "gracekv-fit": {"multiplicity": multiplicity_fit},    # log m fitted on the probes
-            "gracekv-spec": {"key": key_post, "multiplicity": multiplicity_n},
-            "gracekv-myopic": {"rank_adds": rank_by_gain},        # no lookahead: eq. 13 as stated
-            "gracekv-unit": {"unit_rows": half_own_row},          # half the unit's own row
+            # this project's departures, one each (docs/gracekv.md has their dev figures):
+            "gracekv-lookahead": {"rank_adds": V.rank_with_lookahead},   # adds ranked with the split behind
+            "gracekv-postkey": {"key": V.key_post},                 # the exact mean-logit key
+            "gracekv-shared": {"unit_rows": V.shared_row},          # one relevance row for every unit
+            "gracekv-hole": {"extract": V.extract_hole},            # extraction as a node with a hole, cost 1
+            "gracekv-globalbeta": {"value_beta": V.beta_global},    # one β for every node
+            "gracekv-dense": {"multi_hop": V.dense_hops, "dense_hops": 2},   # dense hops, no seeds
+            "gracekv-greedycut": {"slotting": V.greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,)},
+            "gracekv-floor": {"floor": V.row_floor, "floor_frac": 0.95},     # 95 % exact tokens by ω·R
+            # the first reading, all of them together
+            "gracekv-v1": {"rank_adds": V.rank_with_lookahead, "unit_rows": V.shared_row, "extract": V.extract_hole,
+                           "value_beta": V.beta_global, "multi_hop": V.dense_hops, "dense_hops": 2,
+                           "slotting": V.greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,), "floor": V.row_floor},
+            # ablations
+            "gracekv-mn": {"multiplicity": V.multiplicity_n},       # m = n
+            "gracekv-fit": {"multiplicity": V.multiplicity_fit},    # log m fitted on the probes
             "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
-            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # value flow without propagation
-            # a large floor: 95 % of the budget on exact tokens ranked by ω·R, the trees refine
-            # the rest (ties gracekv on fidelity, loses answers at B = 128: docs/gracekv.md)
-            "gracekv-floor": {"floor_frac": 0.95, "rank_adds": rank_by_gain},
-            "gracekv-exact": {"floor_frac": 1.0}}                 # no trees: every entry an exact token
+            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # relevance from the first hop only
+            "gracekv-exact": {"floor": V.row_floor, "floor_frac": 1.0}}   # no trees: every entry an exact token
 
 
 @dataclass
@@ -783,7 +772,7 @@ class GraceKV(polykv.Method):
         self.settings = self.settings or Settings()
 
     def needs(self, model) -> polykv.Needs:
-        return needs(self.settings)
+        return needs(self.settings, model.config.n_layers)
 
     def compress(self, model, full: Cache, obs: polykv.Observation) -> Cache:
         return compress(model, full, flow_of(obs, self.settings.window), self.budget, self.settings)

@@ -225,12 +225,18 @@ class LayerCache:
 
     def ragged(self, idx: list) -> "LayerCache":
         """A ragged layer from this dense one (batch 1): KV head g keeps its entries idx[g] (a
-        1-D index tensor each, any lengths), packed head after head in one row."""
+        1-D index tensor each, any lengths)."""
         assert self.k.shape[0] == 1 and self.head is None and self.acc is None
-        cat = lambda x: torch.cat([x[0, g, i] for g, i in enumerate(idx)])[None, None]   # (1, 1, S, ·)
-        head = torch.cat([torch.full((len(i),), g, dtype=torch.long) for g, i in enumerate(idx)])
-        return LayerCache(cat(self.k), cat(self.v), cat(self.pos), cat(self.bias),
-                          head=head.to(self.k.device)[None, None])
+        return LayerCache.pack([(self.k[0, g, i], self.v[0, g, i], self.pos[0, g, i], self.bias[0, g, i])
+                                for g, i in enumerate(idx)])
+
+    @classmethod
+    def pack(cls, heads: list) -> "LayerCache":
+        """A ragged layer (batch 1) from each KV head's entries [(k (S_g, D), v, pos (S_g,),
+        bias (S_g,))], packed head after head in one row."""
+        k, v, pos, bias = (torch.cat([h[i] for h in heads])[None, None] for i in range(4))
+        head = torch.cat([torch.full((len(h[2]),), g, dtype=torch.long) for g, h in enumerate(heads)])
+        return cls(k, v, pos, bias, head=head.to(k.device)[None, None])
 
     def dense(self, G: int) -> "LayerCache":
         """A ragged layer as the dense layout (batch 1): each head padded to the longest (pos −1,

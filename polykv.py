@@ -47,7 +47,7 @@ from support.files import write_atomic
 #   recon    max_u A_rec[h,u,j]         KVzip: most attention from its reconstruction pass
 #   queries  (μ (B, H, D), Σ (B, H, D, D))  Expected Attention's query statistics (`query_stats`)
 # A method may add its own per-layer statistic (`Needs.extra`, e.g. GraceKV's value flow): an
-# object with lowest(T) (the first query row it reads), begin(q, lc) -> state,
+# object with lowest(T) (the first query row it reads), begin(q, lc, layer) -> state,
 # add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
 # and merge(other) -> the one statistic that serves both.
 STATS = ("colsum", "window", "last", "recon", "queries")
@@ -149,7 +149,7 @@ def causal_probs(q, k, c0: int) -> torch.Tensor:
     return torch.softmax(logits, dim=-1).view(B, H, c, c1)
 
 
-def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=()):
+def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer: int = 0):
     """Every requested statistic of one layer from one pass over its attention.
 
     q (B, H, T, D) are the prompt's queries and lc its fresh FullKV cache (key j at position j,
@@ -164,7 +164,7 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=()):
         min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T) for _, st in extra])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
-    state = {name: st.begin(q, lc) for name, st in extra}
+    state = {name: st.begin(q, lc, layer) for name, st in extra}
     for c1 in range(T, lowest, -chunk):
         c0 = max(lowest, c1 - chunk)
         p = causal_probs(q[:, :, c0:c1], lc.k[:, :, :c1], c0)        # (B, H, c, c1)
@@ -189,7 +189,7 @@ def observe(model, tokens, needs: Needs, spy=None):
     obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
 
     def post_kernel(layer, q, q_pos, lc, out):
-        obs.stats[layer], ex = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.extra)
+        obs.stats[layer], ex = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.extra, layer)
         if "queries" in per_layer[layer]:
             obs.stats[layer]["queries"] = query_stats(q, q_pos, model.inv_freq, needs.n_sink, needs.future)
         for name, value in ex.items():

@@ -8,10 +8,11 @@ from hypothesis import given, strategies as st
 
 import gracekv as GK
 from support import greedy
+from support import gracekv_variants as V
 import model as M
 from conftest import tiny as tiny_llama
 
-SET = GK.Settings(window=4, slot_min=3, slot_max=8, bend_width=2, prefetch=3)
+SET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3), prefetch=3, seeds=3)
 CHUNK = 5                    # observation chunk: several chunks on tiny prompts
 
 
@@ -69,28 +70,57 @@ def attention_maps(m, x):
     return full, maps, qs, outs
 
 
+def naive_propagate(s_bar, A, n, hops, decay):
+    """Python: seeds by (value, later token); each hop the seeds' weighted rows of A, every
+    chosen seed zeroed, the next seeds its best; d = Σ decay^(k−1)·d_k, normalised."""
+    rank = lambda v: [i for i in sorted(range(len(v)), key=lambda i: (-float(v[i]), -i)) if v[i] > 0][:n]
+    chosen, front = [], rank(s_bar)
+    w, d = [float(s_bar[i]) for i in front], torch.zeros_like(s_bar)
+    chosen += front
+    for k in range(1, hops + 1):
+        if not front:
+            break
+        mass = sum(wi * A[j] for wi, j in zip(w, front))
+        mass = torch.tensor([0.0 if t in chosen else float(mass[t]) for t in range(len(s_bar))], dtype=s_bar.dtype)
+        d += decay ** (k - 1) * mass
+        front = rank(mass)
+        w = [float(mass[i]) for i in front]
+        chosen += front
+    return (d / d.sum() if d.sum() > 0 else s_bar), chosen
+
+
 @given(st.integers(12, 40), st.integers(0, 3), st.integers(0, 3))
-def test_value_flow_and_head_weight_equal_naive(T, seed, hops):
-    m, s = tiny(seed), GK.Settings(window=4, slot_min=3, slot_max=8, hops=hops)
+def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops):
+    """ŝ per unit = the unit's query heads' attention from the probe rows, normalised; d̂ from
+    the seeds of the mean ŝ walked along the sampled layers' mean attention (naive maps);
+    R = 0.7·ŝ + 0.3·d̂ for each unit on its own; the dense variant's x^k; ω (eq. 11)."""
+    m = tiny(seed)
+    s = GK.Settings(**{**SET.__dict__, "hops": hops, "dense_hops": hops, "hop_depths": (0.0, 1.0)})
     x = tokens(seed, T)
     full, maps, qs, outs = attention_maps(m, x)
     _, stats = GK.observe(m, x, s, chunk=3)
     G, H, r = 2, 4, 4
+    Tc = T - r
+    shat = []
     for l in range(2):
         Abar = maps[l].view(G, H // G, T, T).mean(1)                          # (G, T, T) group mean
         xk = Abar[:, T - r:].sum(1)                                           # x^0 = Σ_{u∈U} Ā[u, :]
         for k in range(hops + 1):
             torch.testing.assert_close(stats.flow[l][k], xk, rtol=1e-10, atol=1e-12)
-            xk = (xk[:, None, :] @ Abar)[:, 0]                                # x^k = x^{k−1} Ā
+            xk = (xk[:, None, :] @ Abar)[:, 0]                                # x^k = x^{k−1} Ā (dense)
         torch.testing.assert_close(stats.probes[l], qs[l][:, T - r:])
+        for g in range(G):                                                    # this unit's own heads
+            own = maps[l][g * 2:(g + 1) * 2, T - r:, :Tc].sum((0, 1))
+            shat.append(own / own.sum())
     cx = GK.context(m, full, stats, r, s)
-    Tc = T - r
-    shat, dhat = [], []
+    A = sum(maps[l][:, :Tc, :Tc].mean(0) for l in (0, 1)) / 2                # sampled: layers 0 and 1
+    s_bar = torch.stack(shat).mean(0)
+    d_hat, seeds = naive_propagate(s_bar / s_bar.sum(), A, s.seeds, hops, s.decay)
+    assert cx.seeds == seeds
+    for j in range(4):
+        torch.testing.assert_close(cx.units.R[j, :Tc], 0.7 * shat[j] + 0.3 * d_hat, rtol=1e-9, atol=1e-13)
+        torch.testing.assert_close(cx.sal[j], shat[j], rtol=1e-10, atol=1e-14)
     for l in range(2):
-        f = stats.flow[l][:, :, :Tc]
-        shat += list(f[0] / f[0].sum(-1, keepdim=True))
-        d = sum(s.decay ** (k - 1) * f[k] for k in range(1, hops + 1)) if hops else f[0]
-        dhat += list(d / d.sum(-1, keepdim=True))
         Wo = m.layers[l].self_attn.o_proj.weight.detach()                     # (dim, H·D)
         for g in range(G):
             cols = slice(g * 2 * 8, (g + 1) * 2 * 8)
@@ -98,11 +128,30 @@ def test_value_flow_and_head_weight_equal_naive(T, seed, hops):
             contrib = outs[l][2 * g:2 * g + 2, T - r:].transpose(0, 1).reshape(r, 16) @ Wo[:, cols].T
             b = contrib.norm(dim=-1).mean()
             torch.testing.assert_close(cx.omega[l * G + g], (a * b).sqrt(), rtol=1e-10, atol=0)
-    R = 0.7 * torch.stack(shat).mean(0) + 0.3 * torch.stack(dhat).mean(0)
-    torch.testing.assert_close(cx.units.R[0, :Tc], R, rtol=1e-10, atol=1e-14)
 
 
-def test_bends_and_segments_equal_naive():
+@given(st.integers(3, 12), st.integers(1, 3), st.integers(0, 3), st.integers(0, 10**6))
+def test_propagate_seeds_and_hop_removal_on_a_hand_built_map(Tc, n, hops, seed):
+    """On a hand-built (causal) token attention map: the seeds, their order and d̂ equal the
+    naive walk; no token is a seed twice; with one hop from a single seed d̂ is its row, minus itself."""
+    g = torch.Generator().manual_seed(seed)
+    A = torch.rand(Tc, Tc, generator=g, dtype=torch.float64).tril()
+    A = A / A.sum(1, keepdim=True)
+    s_bar = torch.rand(Tc, generator=g, dtype=torch.float64)
+    s_bar /= s_bar.sum()
+    d, seeds = GK.propagate(s_bar, lambda idx: A[idx], n, hops, 0.5)
+    want_d, want_seeds = naive_propagate(s_bar, A, n, hops, 0.5)
+    assert seeds == want_seeds and len(set(seeds)) == len(seeds)
+    torch.testing.assert_close(d, want_d, rtol=1e-12, atol=1e-15)
+    j = int(s_bar.argmax())
+    d1, _ = GK.propagate(s_bar, lambda idx: A[idx], 1, 1, 0.5)
+    row = A[j].clone()
+    row[j] = 0
+    if row.sum() > 0:
+        torch.testing.assert_close(d1, row / row.sum(), rtol=1e-12, atol=1e-15)
+
+
+def test_bends_equal_naive_and_greedy_cut():
     g = torch.Generator().manual_seed(0)
     h = torch.randn(60, 5, generator=g, dtype=torch.float64)
     k = GK.bends(h, 3)
@@ -112,15 +161,41 @@ def test_bends_and_segments_equal_naive():
         after = hn[i + 1:i + 4].mean(0)
         want = 1 - torch.nn.functional.cosine_similarity(hn[i] - before, after - hn[i], dim=0)
         torch.testing.assert_close(k[i], want)
-    for Tc in (0, 5, 8, 9, 17, 40, 57):
-        slots = GK.segment(k, Tc, SET)
+    for Tc in (0, 5, 8, 9, 17, 40, 57):                                       # the variant's greedy cut
+        slots = V.greedy_slots(k, Tc, SET)
         assert [a for a, _ in slots] == ([0] + [b for _, b in slots[:-1]] if Tc else [])
         assert not slots or slots[-1][1] == Tc
         for a, b in slots[:-1]:                                               # cut at the first max κ
             assert 3 <= b - a <= 8
             window = k[a + 3:min(a + 8, Tc - 3) + 1]
             assert b == a + 3 + int(window.argmax())
-        assert all(b - a >= 3 or len(slots) == 1 for a, b in slots)
+
+
+@given(st.integers(0, 40), st.integers(0, 10**6), st.integers(2, 4), st.integers(0, 3))
+def test_dp_slots_optimal_against_brute_force(Tc, seed, lo, extra):
+    """Eq. 5: the DP's K slots tile [0, Tc), each lo..hi tokens (hi = 2·lo + extra), K =
+    n_slots(Tc), and no other such segmentation has a larger sum of b at its cuts."""
+    hi = 2 * lo + extra
+    s = GK.Settings(**{**SET.__dict__, "slot_min": lo, "slot_max": hi, "slot_target": (lo + hi) // 2})
+    b = torch.randn(Tc, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    slots = GK.dp_slots(b, Tc, s)
+    K = GK.n_slots(Tc, s)
+    if Tc == 0:
+        assert slots == []
+        return
+    assert slots[0][0] == 0 and slots[-1][1] == Tc and all(x[1] == y[0] for x, y in zip(slots, slots[1:]))
+    assert len(slots) == K
+    if K == 1:
+        return
+    assert all(lo <= bb - a <= hi for a, bb in slots)
+
+    def best(start, k):                   # brute force: the best sum of cuts for k slots from start
+        if k == 1:
+            return 0.0 if lo <= Tc - start <= hi else -math.inf
+        return max([float(b[c]) + best(c, k - 1) for c in range(start + lo, min(start + hi, Tc) + 1) if c < Tc]
+                   or [-math.inf])
+    got = sum(float(b[a]) for a, _ in slots[1:])
+    assert got == pytest.approx(best(0, K), abs=1e-12)
 
 
 def naive_node(cx, j, toks, s):
@@ -129,18 +204,19 @@ def naive_node(cx, j, toks, s):
     kbar = kr.mean(0)
     p = torch.tensor(toks, dtype=torch.float64).mean().round()
     key = M.apply_rope(kbar, p, cx.inv_freq)
-    if s.key is GK.key_post:
+    if s.key is V.key_post:
         key = M.apply_rope(kr, torch.tensor(toks), cx.inv_freq).mean(0)       # mean post-RoPE key
     hb = kbar.norm() / (kr.norm(dim=-1).mean() + s.eps)
     mm = min(max(len(toks) * hb.item() ** 2, 1.0), len(toks))
     logit = cx.q[j] @ key / math.sqrt(key.shape[-1]) - cx.c[j]               # (P,) q·k̃/√D − c
-    if s.multiplicity is GK.multiplicity_n:
+    if s.multiplicity is V.multiplicity_n:
         mm = len(toks)
-    elif s.multiplicity is GK.multiplicity_fit:     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
+    elif s.multiplicity is V.multiplicity_fit:     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
         lZ = cx.lg[j, toks].exp().sum(0).log()
         fit = float((torch.softmax(lZ, 0) * (lZ - logit)).sum())
-        mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + GK.FIT_SLACK))
-    w = R + s.beta * cx.R[j, :cx.Tc].mean()
+        mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + V.FIT_SLACK))
+    # β: the node's own, 0.1·mean of R over its tokens (eq. 7); the variant's: 0.1·mean over the context
+    w = R + s.beta * (cx.R[j, :cx.Tc].mean() if s.value_beta is V.beta_global else R.mean())
     val = (w[:, None] * v).sum(0) / w.sum()
     lg = cx.lg[j, toks]                                                       # (n, P) log A
     Z, Mx = lg.exp().sum(0), lg.exp().T @ v                                   # (P,), (P, D)
@@ -154,9 +230,9 @@ def naive_node(cx, j, toks, s):
                 Ddrop=float((wq * Dd).sum()), R=float(R.sum()))
 
 
-VARIANTS = [{}, {"key": GK.key_post, "multiplicity": GK.multiplicity_fit}, {"multiplicity": GK.multiplicity_n},
-            {"key": GK.key_post, "multiplicity": GK.multiplicity_fit, "rank_adds": GK.rank_by_gain,
-             "unit_rows": GK.half_own_row}]
+VARIANTS = [{}, {"key": V.key_post, "multiplicity": V.multiplicity_fit}, {"multiplicity": V.multiplicity_n},
+            {"key": V.key_post, "value_beta": V.beta_global, "rank_adds": V.rank_with_lookahead,
+             "unit_rows": V.shared_row, "extract": V.extract_hole, "floor": V.row_floor}]
 
 
 @given(st.integers(16, 40), st.integers(0, 3), st.sampled_from(VARIANTS))
@@ -199,39 +275,39 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
 
 def replay(plan, B_alloc):
     """Check the trace: only added nodes split, each step the best affordable action then, in
-    allocated slots (a layer's heads padded to its longest: entries over that cap cost G slots
-    each, under it none); a dropped action was not affordable when dropped."""
+    entries (the cache is ragged); a split costs its children − 1 (a bisection 1, a three-way
+    extraction 2); a dropped action was not affordable when dropped."""
     added_roots, frontier, spent, gone = set(), set(), 0, set()
-    n, unit, G = [v.n for v in plan.nodes], [v.unit for v in plan.nodes], plan.group
-    have = plan.floor.sum(1).tolist()                                          # entries per unit
-    cap = lambda u: max(have[u // G * G:(u // G + 1) * G])
-    slots = lambda u, k: G * max(0, have[u] + k - cap(u))                      # naive, from scratch
+    n = [v.n for v in plan.nodes]
     drops = {}
     for i, kind, v in plan.dropped:
         drops.setdefault(i, []).append((kind, v))
     for i, (kind, v, gain, cost) in enumerate(plan.steps + [(None,) * 4]):
         for dk, dv in drops.get(i, []):
-            assert slots(unit[dv], 1 if dk == "add" else plan.split[dv].cost) > B_alloc - spent
+            assert (1 if dk == "add" else plan.split[dv].cost) > B_alloc - spent
             gone.add(dv)
         if kind is None:
             break
         rank = plan.add_rank[v] if kind == "add" else gain / cost              # what the heap compared
         avail = [plan.add_rank[r] for r in plan.add_gain if r not in added_roots and r not in gone
-                 and slots(unit[r], 1) <= B_alloc - spent]
+                 and 1 <= B_alloc - spent]
         avail += [plan.split[f].gain / plan.split[f].cost for f in frontier if n[f] > 1 and f not in gone
-                  and slots(unit[f], plan.split[f].cost) <= B_alloc - spent]
-        assert rank >= max(avail) and slots(unit[v], cost) <= B_alloc - spent
+                  and plan.split[f].cost <= B_alloc - spent]
+        assert rank >= max(avail) and cost <= B_alloc - spent
         if kind == "add":
             assert v in plan.add_gain and v not in added_roots and cost == 1
             added_roots.add(v)
             frontier.add(v)
         else:
             assert v in frontier and n[v] > 1                                # split only what was added
-            assert (gain, cost) == plan.split[v][:2] and cost == len(plan.split[v].children) - 1
+            kids = plan.split[v].children
+            assert (gain, cost) == plan.split[v][:2] and cost == len(kids) - 1 and len(kids) in (2, 3)
+            assert sum(n[c] for c in kids) == n[v]                           # the children tile the node
+            if len(kids) == 3:                                                # extraction: the middle is one token
+                assert sorted(n[c] == 1 for c in kids).count(True) >= 1
             frontier.remove(v)
-            frontier.update(plan.split[v].children)
-        spent += slots(unit[v], cost)
-        have[unit[v]] += cost
+            frontier.update(kids)
+        spent += cost
     assert frontier == plan.frontier and spent <= B_alloc
     return frontier
 
@@ -244,35 +320,33 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cache, plan = GK.compress(m, full, stats, B, s, return_plan=True)
     L, G = 2, 2
-    assert cache.entries() <= cache.allocated() <= L * G * B                  # the budget holds in slots
-    for lc in cache.layers:
-        real = lc.pos >= 0
-        assert torch.all(lc.bias[~real] == -math.inf)
-        assert all(torch.all(p[r].diff() >= 0) for p, r in zip(lc.pos[0], real[0]))
     r, U = s.window, L * G
     if plan is None:                          # B ≥ T: identity; B ≤ r: the window alone
         assert cache.entries() == U * min(B, T)
         return
+    assert cache.entries() == cache.allocated() <= L * G * B                  # ragged: slots = entries
+    dense = [lc.dense(G) for lc in cache.layers]
+    for lc in dense:
+        real = lc.pos >= 0
+        assert torch.all(lc.bias[~real] == -math.inf)
+        assert all(torch.all(p[r_].diff() >= 0) for p, r_ in zip(lc.pos[0], real[0]))
     frontier = replay(plan, plan.B_alloc)
-    n_floor = G * (int(s.floor_frac * U * (B - r)) // G)                       # whole rows of a layer
+    per_unit = int(s.floor_frac * (B - r))
+    cx = GK.context(m, full, stats, r, s)                                     # the same seeds, fresh
+    if s.floor is GK.seed_floor:              # the floor: the first seeds, in every unit, within its reservation
+        want = sorted(cx.seeds[:per_unit])
+        assert all(plan.floor[j].nonzero()[:, 0].tolist() == want for j in range(U))
+        n_floor = U * len(want)
+    else:
+        n_floor = int(plan.floor.sum())
+    assert n_floor <= U * per_unit
     assert plan.B_alloc == U * (B - r) - n_floor and int(plan.floor.sum()) == n_floor
-    for l in range(L):                  # the floor: every head of a layer, its f_l highest-R tokens
-        f = plan.floor[l * G:(l + 1) * G].sum(1)
-        assert len(set(f.tolist())) == 1
     assert cache.entries() == U * r + n_floor + len(frontier)
-    have = [int(plan.floor[j].sum()) + sum(plan.nodes[i].unit == j for i in frontier) for j in range(U)]
-    caps = [max(have[l * G:(l + 1) * G]) for l in range(L)]
-    assert cache.allocated() == U * r + G * sum(caps)                          # the slots Slots counted
     everything = all(plan.nodes[i].n == 1 for i in frontier) and set(plan.add_gain) <= {
         i for k, i, *_ in plan.steps if k == "add"}
-    # the greedy stops with fewer than G slots left (no layer can grow) or nothing left to do;
-    # a head still under its layer's cap (padding) has nothing left: every root added, all leaves
-    assert U * B - cache.allocated() < G or everything
-    for j in range(U):
-        if have[j] < caps[j // G]:
-            assert all(plan.nodes[i].n == 1 for i in frontier if plan.nodes[i].unit == j)
-            assert all(i in frontier or plan.nodes[i].unit != j for i in plan.add_gain if plan.nodes[i].n == 1) \
-                and {i for i in plan.add_gain if plan.nodes[i].unit == j} <= {i for k, i, *_ in plan.steps if k == "add"}
+    # the greedy spends the whole budget but the entries no action fits (a cost-2 split with
+    # 1 left) or stops when everything is exact
+    assert U * B - cache.entries() <= 1 or everything
     spans = lambda p: [(k, p.nodes[v].unit, p.nodes[v].a, p.nodes[v].b, c)
                        for k, v, g, c in p.steps]
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
@@ -283,7 +357,7 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
                for (*_, g0, _), (*_, g1, _) in zip(same.steps, plan.steps))
     nd, Tc = plan.nodes, T - r
     for j in range(U):
-        lc, g = cache.layers[j // G], j % G
+        lc, g = dense[j // G], j % G
         mine = [i for i in frontier if nd[i].unit == j]
         leaves = [nd[i].a for i in mine if nd[i].n == 1]
         # every context token is held at most once: by the floor, a leaf, or one prototype (its
@@ -331,7 +405,8 @@ def test_greedy_to_all_leaves_is_fullkv(T, seed):
     plan = GK.allocate(cx, cx.units.kr.shape[0] * cx.Tc)
     replay(plan, plan.B_alloc)
     assert all(plan.nodes[i].n == 1 for i in plan.frontier)
-    assert torch.equal(M.decode(m, x[:, T:], GK.assemble(cx, full, plan)), want)
+    got = M.decode(m, x[:, T:], GK.assemble(cx, full, plan))              # a ragged layer: another kernel
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
 def test_bad_input():
@@ -362,7 +437,7 @@ def test_embedded_generate(embedded):
 def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     """prototype_key = "post": for any query (at any later position) the prototype's logit is
     exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t."""
-    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "key": GK.key_post})
+    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "key": V.key_post})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
     cx = GK.context(m, full, stats, s.window, s)
     g = torch.Generator().manual_seed(seed)
@@ -384,7 +459,7 @@ def test_budget_within_the_window_keeps_the_sink():
     full, stats = GK.observe(m, tokens(1, T), SET, chunk=CHUNK)
     cache = GK.compress(m, full, stats, B, SET)
     for lc in cache.layers:
-        assert lc.pos[0].tolist() == [[0, T - 2, T - 1]] * m.config.n_kv_heads
+        assert lc.dense(m.config.n_kv_heads).pos[0].tolist() == [[0, T - 2, T - 1]] * m.config.n_kv_heads
 
 
 @given(st.lists(st.floats(-5, 5), max_size=40), st.integers(0, 50))

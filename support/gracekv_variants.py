@@ -1,0 +1,94 @@
+"""GraceKV's other readings: this project's earlier reading of the paper (before its equations
+were at hand) and its ablations, each a drop-in for one formula of `gracekv.Settings`. The
+table `gracekv.VARIANTS` names them; none is the method called `gracekv`, whose formulas are in
+gracekv.py. docs/gracekv.md has each one's figures."""
+from __future__ import annotations
+
+import torch
+
+
+def key_post(span) -> torch.Tensor:
+    """Variant: k̃ = mean_t k_t of the post-RoPE keys, so q·k̃ = mean_t q·k_t for every q."""
+    return span.rows(span.cx.k).sum(1) / span.nf[:, None]
+
+
+def multiplicity_n(span, qk, logZ) -> torch.Tensor:
+    """Variant: m = n (with the post-RoPE key, m·e^{q·k̃} is Jensen's lower bound of Z)."""
+    return span.nf.log()
+
+
+FIT_SLACK = 2.0    # c in the fitted bias's clamp [0, log n + c] [choice]
+
+
+def multiplicity_fit(span, qk, logZ) -> torch.Tensor:
+    """Variant: log m fitted on the probes, the mass-weighted mean of log Z − q·k̃/√D (qk),
+    clamped to [0, log n + FIT_SLACK]."""
+    fit = (torch.softmax(logZ, -1) * (logZ - qk)).sum(-1)
+    return torch.minimum(fit.clamp(min=0), span.nf.log() + FIT_SLACK)
+
+
+def beta_global(Rt, mask, nf, beta: float, Tc: int) -> torch.Tensor:
+    """Variant (the first reading): one β = beta·mean over the context of R_t = beta/Tc."""
+    return torch.full_like(nf, beta / Tc)
+
+
+def greedy_slots(b: torch.Tensor, Tc: int, s) -> list:
+    """Variant (this project's first reading): cut at the highest b in [a+slot_min, a+slot_max]."""
+    slots, a = [], 0
+    while Tc - a > s.slot_max:
+        hi = min(a + s.slot_max, Tc - s.slot_min)
+        c = a + s.slot_min + int(b[a + s.slot_min:hi + 1].argmax())
+        slots.append((a, c))
+        a = c
+    return slots + ([(a, Tc)] if Tc > a else [])
+
+
+def dense_hops(model, full, flow, s_hat, x, s):
+    """Variant (the first reading): d̂ per unit = normalised Σ_k decay^(k−1)·x^k, the flow spread
+    densely through every query row of its own layer (`ValueFlow` with dense_hops); seeds: the
+    top of the mean ŝ, for the floor."""
+    Tc = s_hat.shape[1]
+    d = sum(s.decay ** (k - 1) * x[:, k] for k in range(1, s.dense_hops + 1)) if s.dense_hops else x[:, 0]
+    s_bar = s_hat.mean(0)
+    d = d.reshape(-1, Tc)
+    return d / d.sum(-1, keepdim=True).clamp(min=1e-300), s_bar.argsort(descending=True)[:s.seeds * (s.hops + 1)].tolist()
+
+
+def shared_row(R: torch.Tensor) -> torch.Tensor:
+    """Variant (the first reading): one row shared by every unit, the mean of the per-unit rows."""
+    return R.mean(0).expand_as(R)
+
+
+def extract_hole(cx, u, a, b, ok, idc):
+    """Variant (the first reading): the token of highest ŝ leaves, the node minus it stands for
+    the rest (a hole of the unit, so every later node of that unit leaves it out): cost 1."""
+    t = a + cx.sal[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)
+    return t, [(a, b, t), (t, t + 1, torch.full_like(a, -1))], True
+
+
+def rank_with_lookahead(cx, plan, best_splits) -> dict:
+    """Variant (ours, not the paper's): an add ranked by max(Δ_add, (Δ_add + Δ_split(root))/(1 +
+    cost_split)), so a slot whose mass sits on one token competes with the extraction behind its
+    poor root; the paper corrects this myopia with the floor instead."""
+    best_splits(cx, plan, [i for i in plan.add_gain if plan.nodes[i].n > 1])
+    rank = dict(plan.add_gain)
+    for i, g in plan.add_gain.items():
+        if i in plan.split:
+            sg, sc = plan.split[i].gain, plan.split[i].cost
+            rank[i] = max(g, (g + sg) / (1 + sc))                       # gain per entry of both
+    return rank
+
+
+def row_floor(cx, per_unit: int) -> int:
+    """Variant (the first reading): at most U·per_unit entries; layer l's G heads each keep their
+    f_l highest-R_t tokens exact (ties to the later token); the f_l from one ranking of "one more
+    floor token in every head of layer l", worth Σ_heads ω_j·R_j,(f_l+1) for G entries."""
+    Tc, G = cx.Tc, cx.G
+    R, order = cx.units.R[:, :Tc].flip(-1).sort(dim=-1, descending=True, stable=True)   # (U, Tc) per unit
+    row = (cx.omega[:, None] * R).view(-1, G, Tc).sum(1)                 # (L, Tc) non-increasing
+    top = row.reshape(-1).sort(descending=True, stable=True).indices[:per_unit * row.shape[0]]   # prefixes
+    f = torch.bincount(top // Tc, minlength=row.shape[0]).repeat_interleave(G)      # (U,) f_l per head
+    keep = torch.arange(Tc, device=f.device) < f[:, None]                # (U, Tc) the first f_l
+    u = torch.arange(len(f), device=f.device)[:, None].expand(-1, Tc)
+    cx.units.hole[u[keep], Tc - 1 - order[keep]] = True
+    return int(f.sum())
