@@ -1,11 +1,11 @@
 """Where the time goes, as ratios measured in one run: figures, not tests.
 
 `python bench.py` on the embedded model, natural-text prompts from the test split:
-1. observation: the plain FullKV prefill of a `--length`-token prompt vs the shared prefill that
-   observes for every default method at once (polykv.observe_for: column sums, window sums,
-   last row, query statistics, GraceKV's probes and value flow; KVzip's reconstruction pass
-   timed apart and charged to the methods that read it), and each method's compression at
-   `--budget`;
+1. observation, at each `--length`: the plain FullKV prefill vs the shared prefill that
+   observes for every default method (or `--methods`) at once (polykv.observe_for: column sums,
+   window sums, last row, query statistics, GraceKV's probes and flow; KVzip's reconstruction
+   pass timed apart and charged to the methods that read it), and each method's compression at
+   `--budget` with the peak resident memory while it runs;
 2. decoding: FullKV ms per generated token at 128, 2K and 8K tokens of context, and SnapKV at
    B = 512 after the 8K prompt next to FullKV at the same 512 + window context;
 3. Hugging Face transformers' decoding at 2K on the same checkpoint, when it is installed
@@ -78,11 +78,50 @@ def hf_decode_ms(folder, ids, steps: int, repeat: int):
         return 1000 * statistics.median(run() for _ in range(repeat)) / steps
 
 
+def peak_rss_gb(fn):
+    """(result, peak resident memory in GB while fn ran): Linux's high-water mark VmHWM, reset
+    first through /proc/self/clear_refs; (result, None) where that is not available."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return fn(), None
+    out = fn()
+    with open("/proc/self/status") as f:
+        hwm = next(int(line.split()[1]) for line in f if line.startswith("VmHWM"))
+    return out, hwm / 2**20
+
+
+def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
+    """1.: the plain prefill against the shared observation for every method in `made`, then each
+    method's compression at each budget (its own extra pass included) and the process's peak
+    resident memory during one compression."""
+    x = torch.tensor([TK.fidelity_text(tok, length, 1)[0]], device=m.device)    # (1, T)
+    M.prefill(m, x)                                                           # warm-up, untimed
+    everyone = [ms[budgets[0]] for ms in made.values()]
+    t_plain, t_obs, ratio, (full, obs) = timed_pair(lambda: M.prefill(m, x), lambda: P.observe_for(m, x, everyone),
+                                                    repeat)
+    rec = obs.seconds.get("recon", 0.0)
+    print(f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every method below "
+          f"{t_obs:.2f} s = {ratio:.2f}x plain (median ratio of {repeat} interleaved pairs), of which "
+          f"KVzip's reconstruction pass {rec:.2f} s ({rec / t_plain:.2f}x plain, in the kvzip rows)")
+    print("| method | " + " | ".join(f"compress s @ {b} (÷ plain prefill) · peak GB" for b in budgets) + " |")
+    print("|---|" + "---|" * len(budgets))
+    for name, ms in made.items():
+        cells = []
+        for b in budgets:
+            t = timed(lambda: ms[b].compress(m, full, obs), repeat)[0] + E.own_pass(m, ms[b], obs)
+            _, peak = peak_rss_gb(lambda: ms[b].compress(m, full, obs))
+            cells.append(f"{t:.3f} ({t / t_plain:.2f}x) · " + (f"{peak:.2f}" if peak is not None else "n/a"))
+        print(f"| {name} | " + " | ".join(cells) + " |")
+
+
 @torch.no_grad()
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--length", type=int, default=2048, help="prompt of the observation benchmark")
+    ap.add_argument("--length", default="2048", help="prompt lengths of the observation benchmark (comma list)")
+    ap.add_argument("--methods", default=None, help="methods of the compression table (default: the default methods)")
     ap.add_argument("--budget", default="128,512")
     ap.add_argument("--contexts", default="128,2048,8000", help="FullKV decoding contexts")
     ap.add_argument("--steps", type=int, default=16, help="decoded tokens per measurement")
@@ -94,28 +133,14 @@ def main(argv=None):
     budgets = [int(b) for b in args.budget.split(",")]
     m, tok = M.load(args.model)
     L = m.config.n_layers
-    x = torch.tensor([TK.fidelity_text(tok, args.length, 1)[0]], device=m.device)    # (1, T)
     print(f"model {M.default_model_dir().name if args.model is None else args.model} · {L} layers · "
           f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}")
-    M.prefill(m, x)                                                           # warm-up, untimed
-
-    # 1. observation and compression
-    names = [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
+    names = args.methods.split(",") if args.methods else \
+        [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
     settings = P.RuleSettings(repeat=TK.reconstruction_prompt(tok))
     made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
-    everyone = [ms[budgets[0]] for ms in made.values()]
-    t_plain, t_obs, ratio, (full, obs) = timed_pair(lambda: M.prefill(m, x), lambda: P.observe_for(m, x, everyone),
-                                                    args.repeat)
-    rec = obs.seconds.get("recon", 0.0)
-    print(f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every default method "
-          f"{t_obs:.2f} s = {ratio:.2f}x plain (median ratio of {args.repeat} interleaved pairs), of which "
-          f"KVzip's reconstruction pass {rec:.2f} s ({rec / t_plain:.2f}x plain, in the kvzip rows below)")
-    print("| method | " + " | ".join(f"compress s @ {b} (÷ plain prefill)" for b in budgets) + " |")
-    print("|---|" + "---|" * len(budgets))
-    for name, ms in made.items():
-        cells = [timed(lambda: ms[b].compress(m, full, obs), args.repeat)[0] + E.own_pass(m, ms[b], obs)
-                 for b in budgets]
-        print(f"| {name} | " + " | ".join(f"{c:.3f} ({c / t_plain:.2f}x)" for c in cells) + " |")
+    for length in [int(x) for x in args.length.split(",")]:                  # 1. observation and compression
+        observation(m, tok, length, made, budgets, args.repeat)
 
     # 2. decoding
     contexts = [int(c) for c in args.contexts.split(",")]
