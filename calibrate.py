@@ -37,11 +37,11 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
   occurs at an even position); the test split uses the even ones, so none is scored later.
   Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64 held-out
   tokens; the seed picks the passages' offset. Cost: 2 prefills + L·(|pool| + 3)·2
-  single-layer probes (480 with the five pool rules of the registry) + |pool|·2 uniform runs.
+  single-layer probes (600 with the seven pool rules of the registry) + |pool|·2 uniform runs.
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
-  snapkv, knorm, and any rule registered later), all probed at the same budget B. Not
+  snapkv, knorm, expected, kvzip, and any rule registered later), all probed at the same budget B. Not
   pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the allocation side.
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
   chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
