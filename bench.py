@@ -23,6 +23,7 @@ import time
 
 import torch
 
+import calibrate
 import evaluate as E
 import model as M
 import polykv as P
@@ -110,8 +111,8 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
     for name, ms in made.items():
         cells = []
         for b in budgets:
-            t = timed(lambda: ms[b].compress(m, full, obs), repeat)[0] + E.own_pass(m, ms[b], obs)
-            _, peak = peak_rss_gb(lambda: ms[b].compress(m, full, obs))
+            t, (_, peak) = timed(lambda: peak_rss_gb(lambda: ms[b].compress(m, full, obs)), repeat)
+            t += E.own_pass(m, ms[b], obs)
             cells.append(f"{t:.3f} ({t / t_plain:.2f}x) · " + (f"{peak:.2f}" if peak is not None else "n/a"))
         print(f"| {name} | " + " | ".join(cells) + " |")
 
@@ -137,7 +138,7 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}")
     names = args.methods.split(",") if args.methods else \
         [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
-    settings = P.RuleSettings(repeat=TK.reconstruction_prompt(tok))
+    settings = calibrate.with_prompt(P.RuleSettings(), tok)
     made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
     for length in [int(x) for x in args.length.split(",")]:                  # 1. observation and compression
         observation(m, tok, length, made, budgets, args.repeat)

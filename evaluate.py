@@ -78,14 +78,20 @@ def uniform_methods() -> tuple:
     """The standalone methods: FullKV, every registered rule (polykv.RULES; a rule that also names
     an allocation, as kvzip, runs at one budget per head as RULE-uniform), PyramidKV's schedule and
     the head-wise allocations (polykv.ALLOCATIONS: adakv, kvzip); random last."""
-    rules = tuple(f"{n}-uniform" if n in P.ALLOCATIONS else n for n in P.RULES if n != "random")
+    rules = uniform_names(n for n in P.RULES if n != "random")
     return ("full",) + rules + ("pyramidkv",) + tuple(P.ALLOCATIONS) + (("random",) if "random" in P.RULES else ())
+
+
+def uniform_names(rules) -> tuple:
+    """Each rule's --methods name at one budget per (layer, head): its own, or RULE-uniform where
+    the rule's name is taken by its allocation (kvzip)."""
+    return tuple(f"{n}-uniform" if n in P.ALLOCATIONS else n for n in rules)
 
 
 def baselines() -> tuple:
     """The standalone methods a calibrated policy is compared with: the pool rules, PyramidKV and
     the head-wise allocations."""
-    return tuple(f"{n}-uniform" if n in P.ALLOCATIONS else n for n in P.pool()) + ("pyramidkv",) + tuple(P.ALLOCATIONS)
+    return uniform_names(P.pool()) + ("pyramidkv",) + tuple(P.ALLOCATIONS)
 
 
 def all_methods() -> tuple:
@@ -112,8 +118,10 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None) ->
     s = settings or P.RuleSettings()
     if name == "pyramidkv":
         return P.Pyramid(budget, s)
-    if P.allocation(name):
-        return P.Headwise(*P.allocation(name)[:1], budget, *P.allocation(name)[1:], settings=s)
+    alloc = P.allocation(name)
+    if alloc:
+        rule, scope, alpha = alloc
+        return P.Headwise(rule, budget, scope, alpha, s)
     if name.endswith("-uniform") and name[:-8] in P.ALLOCATIONS:
         name = name[:-8]                  # the rule at one budget per (layer, head)
     if name in gracekv.VARIANTS:
@@ -183,7 +191,7 @@ class Methods:
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
-        self.settings = P.RuleSettings(repeat=TK.reconstruction_prompt(tok))   # KVzip's prompt in this vocabulary
+        self.settings = calibrate.with_prompt(P.RuleSettings(), tok)   # KVzip's prompt in this vocabulary
 
     def calibrated(self, budget, procedure="paper"):
         """--policy FILE (rescaled to each budget; every PolyKV row runs it), else one
@@ -263,7 +271,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
 def own_pass(model, method, obs) -> float:
     """Seconds of the extra passes of the shared observation that `method` reads (KVzip's
     reconstruction): part of its compression cost, not of the shared prefill."""
-    used = set().union(*method.needs(model).stats) if method.needs(model).stats else set()
+    used = method.needs(model).used
     return sum(t for name, t in obs.seconds.items() if name in used)
 
 

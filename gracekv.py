@@ -587,7 +587,7 @@ def allocate(cx, B_alloc: int) -> Plan:
     holes in cx.units.hole: one Context serves one call. B_alloc counts entries (the cache is
     ragged: each unit holds exactly its own); an action whose cost does not fit what is left
     is dropped [choice: not retried]."""
-    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots, group=cx.G)  # floor = holes before the greedy
+    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots)  # floor = holes before the greedy
     left = B_alloc                                                  # entries: the cache is ragged
     roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
     if roots:

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+import calibrate
 import evaluate
 import model as M
 import polykv as P
@@ -250,8 +251,7 @@ def main(argv=None):
     else:
         ids = TK.fidelity_text(tok, args.length, 0)[0]
     M.check_length(m, len(ids))
-    conv = CONVENTIONS[args.conventions]          # + KVzip's reconstruction prompt in this vocabulary
-    conv = P.RuleSettings(**{**conv.__dict__, "repeat": TK.reconstruction_prompt(tok)})
+    conv = calibrate.with_prompt(CONVENTIONS[args.conventions], tok)   # + KVzip's prompt in this vocabulary
     method = make_method(args.method, args.budget, m.config.n_layers, conv, args.policy)
     name = Path(args.model).name if args.model else M.default_model_dir().name
     t, h = dump(m, torch.tensor([ids]), method, args.method, args.budget, args.probes, args.decode, name)

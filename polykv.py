@@ -64,6 +64,7 @@ class Needs:
     n_sink: int = 4       # `queries`: the first n_sink queries left out; `recon`: sinks kept
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
     repeat: tuple = ()    # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
+    used = property(lambda self: frozenset().union(*self.stats))   # every statistic some layer reads
 
 
 # which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
@@ -76,9 +77,8 @@ def union(needs: list, n_layers: int) -> Needs:
     stats = [frozenset()] * n_layers
     params, extra, chunk = {}, {}, min([n.chunk for n in needs] or [256])
     for n in needs:
-        used = frozenset().union(*n.stats) if n.stats else frozenset()
         for p, stat in PARAMS.items():
-            if stat in used:
+            if stat in n.used:
                 if params.setdefault(p, getattr(n, p)) != getattr(n, p):
                     raise UsageError(f"methods observe with different {p}: {params[p]} vs {getattr(n, p)}")
         if any(n.stats):
@@ -420,7 +420,7 @@ def expected(x: ScoreInput):
     B, G, T = x.shape
     n = x.settings.n_sink
     mu, cov = x.stats["queries"]                                              # (B, H, D), (B, H, D, D)
-    H, D = mu.shape[1], mu.shape[2]
+    H, D = mu.shape[1:]
     k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
     logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
     sc = group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)

@@ -61,7 +61,6 @@ class Plan:
     frontier: set = field(default_factory=set)    # nodes in the cache at the end
     floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
     slots: list = field(default_factory=list)     # [(a, b)] the context's slots
-    group: int = 1                                # G: units l·G .. l·G+G−1 share layer l's cache
     dropped: list = field(default_factory=list)   # (len(steps) then, kind, node): popped, not affordable
 
 
