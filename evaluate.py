@@ -51,6 +51,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import re
 import sys
 import time
 from dataclasses import dataclass
@@ -109,7 +110,7 @@ def default_methods(suite: str = "default") -> tuple:
 
 def family(name: str) -> str:
     """"polykv" or "gracekv" for those papers' rows (their variant tables), else "uniform"."""
-    return "polykv" if name in calibrate.VARIANTS else "gracekv" if name in gracekv.VARIANTS else "uniform"
+    return "polykv" if name in calibrate.VARIANTS else "gracekv" if gracekv.is_row(name) else "uniform"
 
 
 def method(name: str, budget: int, n_layers: int, settings=None, decode=None) -> P.Method:
@@ -124,7 +125,7 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None) ->
         return P.Headwise(rule, budget, scope, alpha, s)
     if name.endswith("-uniform") and name[:-8] in P.ALLOCATIONS:
         name = name[:-8]                  # the rule at one budget per (layer, head)
-    if name in gracekv.VARIANTS:
+    if gracekv.is_row(name):
         return gracekv.variant(name, budget)
     if name in uniform_methods():
         return P.Policy.uniform(name, budget, n_layers, decode, s)
@@ -371,8 +372,12 @@ def parse(argv):
     args = ap.parse_args(argv)
     if args.methods is None:
         args.methods = ",".join(default_methods(args.suite))
-    args.methods = [m for m in args.methods.split(",") if m]
-    bad = [m for m in args.methods if m not in all_methods()]
+    # commas inside a GraceKV row's [settings] do not split (gracekv.variant)
+    args.methods = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.methods)
+    bad = [m for m in args.methods if m not in all_methods() and not gracekv.is_row(m)]
+    for m in args.methods:
+        if gracekv.is_row(m) and m not in gracekv.VARIANTS:
+            gracekv.variant(m, 1)                        # its settings checked before any work
     if bad:
         raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(all_methods())}")
     args.tasks = [t for t in args.tasks.split(",") if t]

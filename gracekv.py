@@ -34,6 +34,7 @@ project's earlier readings; the kernels never branch on them.
 """
 from __future__ import annotations
 
+import ast
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -785,5 +786,24 @@ class GraceKV(polykv.Method):
 
 
 def variant(name: str, budget: int) -> GraceKV:
-    """The GraceKV row `name` of VARIANTS at `budget`."""
-    return GraceKV(budget, Settings(**VARIANTS[name]))
+    """The GraceKV row `name` at `budget`: a key of VARIANTS, or such a key with settings in
+    brackets, `gracekv[seeds=64;floor_frac=0.25]` (numbers or tuples of them; how the dev
+    choices in docs/gracekv.md were compared)."""
+    base, _, tail = name.partition("[")
+    if base not in VARIANTS or (tail and not tail.endswith("]")):
+        raise UsageError(f"unknown GraceKV row {name!r}; choose from {', '.join(VARIANTS)} (+ [field=value;...])")
+    over = dict(VARIANTS[base])
+    for item in filter(None, tail[:-1].split(";")):
+        k, _, v = item.partition("=")
+        if k not in Settings.__dataclass_fields__ or callable(getattr(Settings(), k)):
+            raise UsageError(f"{name}: {k!r} is not a numeric GraceKV setting")
+        try:
+            over[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            raise UsageError(f"{name}: {k}={v!r} is not a number or a tuple of numbers") from None
+    return GraceKV(budget, Settings(**over))
+
+
+def is_row(name: str) -> bool:
+    """Whether `name` is a GraceKV row (a VARIANTS key, with or without [settings])."""
+    return name.partition("[")[0] in VARIANTS
