@@ -372,8 +372,7 @@ def parse(argv):
     args = ap.parse_args(argv)
     if args.methods is None:
         args.methods = ",".join(default_methods(args.suite))
-    # commas inside a GraceKV row's [settings] do not split (gracekv.variant)
-    args.methods = re.findall(r"[^,\[]+(?:\[[^\]]*\])?", args.methods)
+    args.methods = method_list(args.methods)
     bad = [m for m in args.methods if m not in all_methods() and not gracekv.is_row(m)]
     for m in args.methods:
         if gracekv.is_row(m) and m not in gracekv.VARIANTS:
@@ -429,6 +428,11 @@ def barrier(world):
     if world > 1:
         import torch.distributed as dist
         dist.barrier()
+
+
+def method_list(text: str) -> list:
+    """--methods split at commas, except inside a GraceKV row's [settings] (gracekv.variant)."""
+    return re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text)
 
 
 def main(argv=None):

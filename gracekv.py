@@ -13,7 +13,8 @@ all actions of all units compete for one budget. Read top to bottom, in the pape
  3. Prototype trees and distortion (6)-(8): a node (n tokens) is one entry with key
     k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value ṽ = Σ(R_t+β_v)v_t / Σ(R_t+β_v) with
     the node's own β_v = 0.1·mean_{t∈v} R_t, and multiplicity m = clamp(n·ħ², 1, n) entering
-    attention as the logit bias log m; its distortion D for the probes, D(drop) for nothing.
+    attention as the logit bias log m; its distortion D for the probes (U and m queries of
+    high-evidence slots), D(drop) for nothing.
  4. Relevance (9)-(10): each unit's own first hop ŝ (what its query heads' probes attend to);
     seeds = the top tokens of the mean ŝ, propagated hop by hop along a few sampled layers'
     attention, chosen seeds removed at each hop, to d̂ (shared); R = (1−λ)ŝ + λd̂ per unit.
@@ -25,16 +26,14 @@ all actions of all units compete for one budget. Read top to bottom, in the pape
  8. Cache assembly: a ragged cache (each unit exactly its entries); prototypes with bias log m.
 
 Notation: T prompt tokens, r recent window, Tc = T − r context tokens, H query heads, G KV
-heads, g = H/G, D head dim, L layers, U = L·G units, P = g·r probes per unit, n tokens in a
-node. One prompt at a time (batch 1). The cache holds at most U·B entries.
-
-[choices] where the paper is open are marked so beside the code; docs/gracekv.md ("Choices")
-lists them. Variants (`VARIANTS`) swap one function or setting each, among them this
-project's earlier readings; the kernels never branch on them.
+heads, g = H/G, D head dim, L layers, U = L·G units, P = g·(r + m) probes per unit, n tokens
+in a node. One prompt at a time (batch 1). The cache holds at most U·B entries. [choices] where
+the paper is open are marked so beside the code; docs/gracekv.md ("Choices") lists them.
+Variants (`VARIANTS`, support/gracekv_variants.py) swap one function or setting each, among
+them this project's earlier readings; the kernels never branch on them.
 """
 from __future__ import annotations
 
-import ast
 import heapq
 import math
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
-from support import gracekv_variants as V
+from support.gracekv_variants import VARIANTS, is_row, variant  # noqa: F401  (gracekv.variant: the rows)
 from support.greedy import Plan, Split, add_nodes, batched_logits, by_length, peek
 from support.greedy import picture  # noqa: F401  (gracekv.picture: the README's API)
 
@@ -70,13 +69,16 @@ class Settings:
     lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph: not given by the paper [choice]
     lambda_m: float = 1.0
     lambda_graph: float = 0.3
-    seeds: int = 16           # seeds per hop [choice]
+    seeds: int = 64           # seeds per hop [choice: dev, docs/gracekv.md]
     hops: int = 2             # propagation hops [choice]
     decay: float = 0.5        # hop k weighs decay^(k−1) [choice]
     hop_depths: tuple = (0.25, 0.5, 0.75)   # the sampled layers, as fractions of the depth [choice]
+    hop_forward: float = 0.5  # the hops' map: (1 − f)·what a token reads + f·who reads it [choice: dev]
+    evidence: int = 32        # distortion probes also from high-evidence slots: this many per
+    evidence_stride: int = 4  # layer, every stride-th query of the slots of highest peak R [choice]
     dense_hops: int = 0       # hops of the dense value flow (only its variant reads them)
     beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
-    floor_frac: float = 0.1   # floor: per unit min(seeds, ⌊φ·(B − r)⌋) exact tokens [choice]
+    floor_frac: float = 0.5   # floor: per unit min(|seeds|, ⌊φ·(B − r)⌋) exact tokens [choice: dev]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
@@ -92,12 +94,13 @@ class Settings:
     floor: Callable = _later("seed_floor")               # the singleton floor
 
     def __post_init__(self):
-        if min(self.window, self.slot_min, self.prefetch, self.seeds, min(self.bend_widths)) < 1:
-            raise UsageError("window, slot_min, seeds, bend widths and prefetch must be >= 1")
+        if min(self.window, self.slot_min, self.prefetch, self.seeds, min(self.bend_widths), self.evidence_stride) < 1:
+            raise UsageError("window, slot_min, seeds, bend widths, prefetch and evidence_stride must be >= 1")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
-        if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and self.hops >= 0):
-            raise UsageError("need 0 <= lambda_graph <= 1, 0 <= floor_frac <= 1, hops >= 0")
+        if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and 0 <= self.hop_forward <= 1
+                and min(self.hops, self.evidence) >= 0):
+            raise UsageError("need lambda_graph, floor_frac, hop_forward in [0, 1] and hops, evidence >= 0")
 
     def to_json(self) -> dict:
         """JSON-ready: each formula by its function's name."""
@@ -117,23 +120,24 @@ class ValueFlow:
     (the last r tokens), the first hop x^0_i = Σ_{u∈U} Ā[u, i] per KV head (Ā the group-mean
     attention) and, for the dense variant, x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i] (query rows come in
     descending chunks, so every hop takes the same pass); the queries of the `sampled` layers,
-    for the hop-wise propagation. Value per layer: (probes (H, r, D), x (hops+1, G, T), queries
-    (H, T, D) or None)."""
+    for the hop-wise propagation; every stride-th query (positions 0, stride, ...), from which
+    `context` draws the evidence probes. Value per layer: (probes (H, r, D), x (hops+1, G, T),
+    queries (H, T, D) or None, strided queries (H, ⌈T/stride⌉, D) or None)."""
     window: int = 32
     hops: int = 0
     sampled: tuple = ()
+    stride: int = 0           # 0: no evidence probes
 
     def lowest(self, T: int) -> int:            # dense hops read every row; the first hop the last r
         return 0 if self.hops else T - min(self.window, T)
 
     def begin(self, q, lc, layer: int) -> dict:
-        B, H, T, D = q.shape
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        T, acc = q.shape[2], torch.float64 if q.dtype == torch.float64 else torch.float32
         r = min(self.window, T)
-        seed = torch.zeros(T, dtype=acc, device=q.device)
-        seed[T - r:] = 1.0                                           # the probe rows u ∈ U
+        seed = (torch.arange(T, device=q.device) >= T - r).to(acc)  # the probe rows u ∈ U
         return {"x": q.new_zeros(self.hops + 1, lc.k.shape[1], T, dtype=acc), "seed": seed,
                 "probes": q[0, :, T - r:].contiguous().clone(),
+                "strided": q[0, :, ::self.stride].clone() if self.stride else None,
                 "queries": q[0].clone() if layer in self.sampled else None}
 
     def add(self, st: dict, c0: int, c1: int, p):
@@ -145,13 +149,16 @@ class ValueFlow:
             prev = x[k, :, c0:c1]
 
     def end(self, st: dict):
-        return st["probes"], st["x"], st["queries"]
+        return st["probes"], st["x"], st["queries"], st["strided"]
 
     def merge(self, other: "ValueFlow") -> "ValueFlow":
         """Variants share one pass: the most dense hops and every sampled layer serve all."""
         if other.window != self.window:
             raise UsageError(f"GraceKV variants observe with different windows: {self} vs {other}")
-        return ValueFlow(self.window, max(self.hops, other.hops), tuple(sorted(set(self.sampled) | set(other.sampled))))
+        if other.stride != self.stride and min(self.stride, other.stride) > 0:
+            raise UsageError(f"GraceKV variants observe different evidence strides: {self} vs {other}")
+        return ValueFlow(self.window, max(self.hops, other.hops), tuple(sorted(set(self.sampled) | set(other.sampled))),
+                         max(self.stride, other.stride))
 
 
 @dataclass
@@ -161,16 +168,17 @@ class Flow:
     probes: list = field(default_factory=list)  # [(H, r, D)] post-RoPE queries of the last r tokens
     flow: list = field(default_factory=list)    # [(hops+1, G, T)] x^0 = s (first hop), x^k = x^{k−1}·Ā
     queries: list = field(default_factory=list)  # [(H, T, D) or None] the sampled layers' queries
+    strided: list = field(default_factory=list)  # [(H, ⌈T/stride⌉, D) or None] every stride-th query
 
 
 def needs(s: "Settings", n_layers: int) -> polykv.Needs:
     """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries."""
-    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, tuple(depths(s.hop_depths, n_layers)))),))
+    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, tuple(depths(s.hop_depths, n_layers)),
+                                                  s.evidence_stride if s.evidence else 0)),))
 
 
 def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    probes, flow, queries = zip(*obs.extra["flow"])
-    return Flow(window, list(probes), list(flow), list(queries))
+    return Flow(window, *map(list, zip(*obs.extra["flow"])))     # probes, flow, queries, strided
 
 
 @torch.no_grad()
@@ -210,8 +218,7 @@ def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
     hidden state) for the layers at `bend_depths` and the widths `bend_widths`; κ = mean −
     λ_stab·std over (l, w); b = z(κ), robust. (The surprisal term λ_s·z(−log p) is not used: the
     shared prefill keeps no per-token logits.)"""
-    T = full.layers[0].k.shape[2]
-    pos = torch.arange(T, device=full.layers[0].k.device)
+    T, pos = full.layers[0].k.shape[2], full.layers[0].pos[0, 0]      # (T,) the keys' positions
     ks = []
     for lb in depths(s.bend_depths, model.config.n_layers):
         lc = full.layers[lb]
@@ -274,6 +281,8 @@ class Units:
     inv_freq: torch.Tensor
     s: object             # Settings (β, ε, λ_Z, λ_M, log ρ cap, the key and multiplicity formulas)
     k: torch.Tensor       # (U, Tc+1, D) post-RoPE context keys (the post-RoPE-key variant)
+    qpos: torch.Tensor = None   # (U, P) the probes' token indices: a probe reads nodes ending at or before it
+    p0: int = 0           # the position of token 0 (> 0 when a protocol cuts the prompt's prefix off)
 
     @property
     def Tc(self) -> int:
@@ -346,7 +355,7 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     flat = (u[:, None] * (Tc + 1) + ix).view(-1)                              # rows of (U·(Tc+1), ·)
     rows = lambda x: x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
     V = rows(cx.v)                                                            # (N, n, D), 0 outside
-    p = ((idx * mask).sum(1) / nf).round()                                    # rounded mean position
+    p = ((idx * mask).sum(1) / nf).round() + cx.p0                            # rounded mean position
     span = Span(cx, rows, nf, p)
     key = s.key(span)                                                         # k̃ (N, D), eq. 6
     Rt = rows(cx.R)                                                           # (N, n), 0 outside
@@ -359,13 +368,14 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     # the term 1 it vanishes from every sum, fp32 or fp64
     e = (lg - mx[:, None]).clamp_(min=-80.0).exp_()
     Z = e.sum(1)                                                              # (N, P)
-    logZ = Z.log() + mx
+    logZ = (Z.log() + mx).masked_fill((a + last)[:, None] > cx.qpos.index_select(0, u), -1e30)  # unseen: weight 0
+    e /= Z[:, None]                                                           # a = e/Z: Z² may underflow
     Pn, Dh = e.shape[2], V.shape[2]
-    if n * (Dh + Pn) <= Pn * Dh:     # short spans: ‖μ‖² = eᵀ(VVᵀ)e / Z², n²·(D+P) per node
-        mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1) / Z ** 2                # (N, P)
-    else:                            # long spans: μ = eᵀV / Z directly, n·P·D per node
-        mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1) / Z ** 2                 # (N, P)
-    muv = (e * (V @ val[..., None])).sum(1) / Z                               # (N, P) ⟨μ, ṽ⟩
+    if n * (Dh + Pn) <= Pn * Dh:     # short spans: ‖μ‖² = aᵀ(VVᵀ)a, n²·(D+P) per node
+        mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1)                         # (N, P)
+    else:                            # long spans: μ = aᵀV directly, n·P·D per node
+        mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1)                          # (N, P)
+    muv = (e * (V @ val[..., None])).sum(1)                                   # (N, P) ⟨μ, ṽ⟩
     qk = batched_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
     logm = s.multiplicity(span, qk, logZ)                                     # log m (N,), eq. 7
     logZp = logm[:, None] + qk                                      # log Z̃ = log m + q·k̃/√D − c
@@ -378,34 +388,56 @@ def _node_stats(cx: Units, u, a, b, skip, n):
 
 # ============================================================================= value flow and head weights (eqs. 9-11)
 
-def probes(model, full: Cache, flow: Flow, acc):
-    """Probe queries U (the last r tokens, all g heads of each group) per unit:
-    q (U, P, D), their causal logits over every key lg (U, P, T) and the rows' logsumexp c (U, P)."""
+def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings) -> torch.Tensor:
+    """The evidence probes per layer (L, m), indices into the strided queries: the first
+    m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
+    StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
+    if not s.evidence or not slots:
+        return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
+    Rl = R.view(-1, G, R.shape[1]).mean(1).index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)  # (L, Tc)
+    out = []
+    for row in Rl:
+        best = sorted(slots, key=lambda ab: -float(row[ab[0]:ab[1]].max()))
+        at = [t // s.evidence_stride for a, b in best
+              for t in range(-(-a // s.evidence_stride) * s.evidence_stride, b, s.evidence_stride)]
+        out.append(at[:s.evidence])
+    return torch.tensor(out, dtype=torch.long, device=R.device)
+
+
+def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
+    """Distortion probes per unit, all g heads of each group: U (the last r tokens) and then the
+    evidence probes ev (L, m) of the strided queries: q (U, P, D), their causal logits over
+    every key lg (U, P, T), the rows' logsumexp c (U, P) and the probes' token indices (U, P);
+    P = g·(r + m), ordered (head, probe)."""
     cfg = model.config
-    G, g, D, T = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim, full.layers[0].k.shape[2]
-    rp = flow.probes[0].shape[1]
-    pos = torch.arange(T, device=full.layers[0].k.device)
-    qs, lgs = [], []
+    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    rp, pos = flow.probes[0].shape[1], full.layers[0].pos[0, 0]      # (T,) the keys' positions
+    last = torch.arange(full.next_pos - rp, full.next_pos, device=pos.device)   # U: the prompt's last r
+    qs, lgs, ats = [], [], []
     for l, lc in enumerate(full.layers):
-        q = flow.probes[l].to(acc).reshape(G, g * rp, D)             # (G, P, D) probes (h, u) of group g
+        eq = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]  # (H, m, D)
+        at = torch.cat((last, pos[ev[l] * stride])).repeat(g)         # (P,) the probes' positions
+        q = torch.cat((flow.probes[l], eq), 1).to(acc).reshape(G, -1, D)   # (G, P, D)
         lg = (q @ lc.k[0].to(acc).transpose(1, 2)) / math.sqrt(D)    # (G, P, T)
-        lgs.append(lg.masked_fill(pos > pos[T - rp:].repeat(g)[:, None], float("-inf")))  # causal rows
+        lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
         qs.append(q)
+        ats.append((at - pos[0]).expand(G, -1))                       # token indices
     lg = torch.cat(lgs)                                              # (U, P, T)
-    return torch.cat(qs), lg, lg.logsumexp(-1)
+    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(ats)
 
 
-def head_weights(model, full: Cache, lg, acc) -> torch.Tensor:
+def head_weights(model, full: Cache, lg, acc, r: int) -> torch.Tensor:
     """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
-    b = mean over probes of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads' attention outputs)."""
+    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads' outputs)."""
     cfg = model.config
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     omega = []
     for l, lc in enumerate(full.layers):
-        out = torch.softmax(lg[l * G:(l + 1) * G], -1) @ lc.v[0].to(acc)   # (G, P, D) head outputs
+        lu = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
+        out = torch.softmax(lu, -1) @ lc.v[0, :, None].to(acc)      # (G, g, r, D) head outputs
         Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)  # (dim, G, g, D)
         a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
-        b = torch.einsum("mghd,ghud->gum", Wo, out.view(G, g, -1, D)).norm(dim=-1).mean(1)
+        b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
         omega.append((a * b).sqrt())
     return torch.cat(omega)
 
@@ -425,21 +457,25 @@ def unit_norm(y: torch.Tensor) -> torch.Tensor:                       # rows sum
     return y / y.sum(-1, keepdim=True).clamp(min=1e-300)
 
 
-def hop_rows(model, full: Cache, flow: Flow, Tc: int):
-    """rows(idx) -> (len(idx), Tc): the attention the queries at positions idx (< Tc) pay the
-    context in the sampled layers (those whose queries the flow kept), mean over all H heads and
-    those layers: the token attention map the hops walk on."""
+def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0, chunk: int = 256):
+    """rows(idx) -> (len(idx), Tc): the token attention map the hops walk on, mean over all H
+    heads and the sampled layers (those whose queries the flow kept): (1 − forward)·A[idx, :]
+    (what the tokens idx < Tc read) + forward·A[:, idx]ᵀ (which context tokens read them; query
+    rows in chunks, never a (T, T) map)."""
     H, G = model.config.n_heads, model.config.n_kv_heads
     layers = [l for l, q in enumerate(flow.queries) if q is not None]
 
-    def rows(idx):
-        out = 0.0
-        for l in layers:
-            q, k = flow.queries[l][:, idx], full.layers[l].k[0, :, :Tc]    # (H, n, D), (G, Tc, D)
-            lg = q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2) / math.sqrt(q.shape[-1])
-            lg = lg.masked_fill(torch.arange(Tc, device=k.device) > idx[:, None], float("-inf"))  # causal
-            out = out + torch.softmax(lg.double(), -1).mean(0) / len(layers)                  # (n, Tc)
-        return out
+    def attn(l, at):                                                 # (n, Tc) A[at, :] of layer l, mean over H
+        q, k = flow.queries[l][:, at], full.layers[l].k[0, :, :Tc]   # (H, n, D), (G, Tc, D)
+        lg = q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2) / math.sqrt(q.shape[-1])
+        lg = lg.masked_fill(torch.arange(Tc, device=k.device) > at[:, None], float("-inf"))  # causal
+        return torch.softmax(lg.double(), -1).mean(0)
+
+    def rows(idx):                                                   # (n, Tc)
+        back = lambda l: attn(l, idx) if forward < 1 else 0.0
+        fwd = lambda l: torch.cat([attn(l, torch.arange(c, min(c + chunk, Tc)))[:, idx]
+                                   for c in range(0, Tc, chunk)]).T if forward > 0 else 0.0
+        return sum((1 - forward) * back(l) + forward * fwd(l) for l in layers) / len(layers)
     return rows
 
 
@@ -470,7 +506,7 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
 def seeded_hops(model, full: Cache, flow: Flow, s_hat, x, s: Settings):
     """The paper's multi-hop: s̄ = mean of ŝ over units, `propagate` on the sampled layers' map."""
     Tc = s_hat.shape[1]
-    return propagate(unit_norm(s_hat.mean(0)), hop_rows(model, full, flow, Tc), s.seeds, s.hops, s.decay)
+    return propagate(unit_norm(s_hat.mean(0)), hop_rows(model, full, flow, Tc, s.hop_forward), s.seeds, s.hops, s.decay)
 
 
 def own_rows(R: torch.Tensor) -> torch.Tensor:
@@ -503,11 +539,14 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     T = full.layers[0].k.shape[2]
     Tc = T - r
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
-    q, lg, c = probes(model, full, flow, acc)                       # (U, P, D), (U, P, T), (U, P)
-    omega = head_weights(model, full, lg, acc)                       # (U,)
     R, s_hat, seeds = relevance(model, full, flow, Tc, s)            # (U, Tc), (U, Tc), [t]
     kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
-    pos = torch.arange(T, device=q.device)
+    slots = s.slotting(kappa, Tc, s)
+    G = model.config.n_kv_heads
+    ev = evidence_probes(R, slots, G, s)                             # (L, m)
+    q, lg, c, qpos = probes(model, full, flow, acc, ev, s.evidence_stride)   # (U, P, D), (U, P, T), (U, P) ×2
+    omega = head_weights(model, full, lg, acc, flow.probes[0].shape[1])   # (U,)
+    pos = full.layers[0].pos[0, 0]                                   # (T,) the keys' positions
     pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
     kr = torch.cat([pad(M.apply_rope(lc.k[0, :, :Tc].to(acc), -pos[:Tc], model.inv_freq))
                     for lc in full.layers])                          # (U, Tc+1, D) k°
@@ -517,9 +556,9 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
                   lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
                   q=q, c=c, R=F.pad(R, (0, 1)).contiguous(),                          # (U, Tc+1)
                   hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
-                  inv_freq=model.inv_freq, s=s)
+                  inv_freq=model.inv_freq, s=s, qpos=qpos, p0=int(pos[0]))
     return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
-                   slots=s.slotting(kappa, Tc, s), seeds=seeds, s=s, G=model.config.n_kv_heads)
+                   slots=slots, seeds=seeds, s=s, G=G)
 
 
 # ============================================================================= budget flow (eqs. 12-13)
@@ -684,7 +723,7 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
             leaves = [nd[i].a for i in mine[j] if nd[i].n == 1]
             ex = sorted(plan.floor[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
             ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
-            k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], ex, lc.bias[0, g, ex]
+            k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
             if protos:
                 k = torch.cat((k, torch.stack([x.key for x in protos]).to(k.dtype)))
                 v = torch.cat((v, torch.stack([x.val for x in protos]).to(v.dtype)))
@@ -736,30 +775,6 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
     return GraceKV(budget, settings).prefill(model, tokens)
 
 
-# GraceKV's rows (evaluate.py --methods): name -> Settings overrides, each swapping one formula
-# or setting; `gracekv` is the method as read here. Their figures: docs/gracekv.md.
-VARIANTS = {"gracekv": {},
-            # this project's departures, one each (docs/gracekv.md has their dev figures):
-            "gracekv-lookahead": {"rank_adds": V.rank_with_lookahead},   # adds ranked with the split behind
-            "gracekv-postkey": {"key": V.key_post},                 # the exact mean-logit key
-            "gracekv-shared": {"unit_rows": V.shared_row},          # one relevance row for every unit
-            "gracekv-hole": {"extract": V.extract_hole},            # extraction as a node with a hole, cost 1
-            "gracekv-globalbeta": {"value_beta": V.beta_global},    # one β for every node
-            "gracekv-dense": {"multi_hop": V.dense_hops, "dense_hops": 2},   # dense hops, no seeds
-            "gracekv-greedycut": {"slotting": V.greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,)},
-            "gracekv-floor": {"floor": V.row_floor, "floor_frac": 0.95},     # 95 % exact tokens by ω·R
-            # the first reading, all of them together
-            "gracekv-v1": {"rank_adds": V.rank_with_lookahead, "unit_rows": V.shared_row, "extract": V.extract_hole,
-                           "value_beta": V.beta_global, "multi_hop": V.dense_hops, "dense_hops": 2,
-                           "slotting": V.greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,), "floor": V.row_floor},
-            # ablations
-            "gracekv-mn": {"multiplicity": V.multiplicity_n},       # m = n
-            "gracekv-fit": {"multiplicity": V.multiplicity_fit},    # log m fitted on the probes
-            "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
-            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # relevance from the first hop only
-            "gracekv-exact": {"floor": V.row_floor, "floor_frac": 1.0}}   # no trees: every entry an exact token
-
-
 @dataclass
 class GraceKV(polykv.Method):
     """GraceKV as a method: observes the probes and value flow, compresses once, then appends
@@ -783,27 +798,3 @@ class GraceKV(polykv.Method):
         if tokens.shape[1] <= self.budget:       # nothing to compress: skip the observation
             return M.prefill(model, tokens)
         return super().prefill(model, tokens)
-
-
-def variant(name: str, budget: int) -> GraceKV:
-    """The GraceKV row `name` at `budget`: a key of VARIANTS, or such a key with settings in
-    brackets, `gracekv[seeds=64;floor_frac=0.25]` (numbers or tuples of them; how the dev
-    choices in docs/gracekv.md were compared)."""
-    base, _, tail = name.partition("[")
-    if base not in VARIANTS or (tail and not tail.endswith("]")):
-        raise UsageError(f"unknown GraceKV row {name!r}; choose from {', '.join(VARIANTS)} (+ [field=value;...])")
-    over = dict(VARIANTS[base])
-    for item in filter(None, tail[:-1].split(";")):
-        k, _, v = item.partition("=")
-        if k not in Settings.__dataclass_fields__ or callable(getattr(Settings(), k)):
-            raise UsageError(f"{name}: {k!r} is not a numeric GraceKV setting")
-        try:
-            over[k] = ast.literal_eval(v)
-        except (ValueError, SyntaxError):
-            raise UsageError(f"{name}: {k}={v!r} is not a number or a tuple of numbers") from None
-    return GraceKV(budget, Settings(**over))
-
-
-def is_row(name: str) -> bool:
-    """Whether `name` is a GraceKV row (a VARIANTS key, with or without [settings])."""
-    return name.partition("[")[0] in VARIANTS

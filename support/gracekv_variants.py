@@ -4,7 +4,11 @@ table `gracekv.VARIANTS` names them; none is the method called `gracekv`, whose 
 gracekv.py. docs/gracekv.md has each one's figures."""
 from __future__ import annotations
 
+import ast
+
 import torch
+
+from support.errors import UsageError
 
 
 def key_post(span) -> torch.Tensor:
@@ -92,3 +96,55 @@ def row_floor(cx, per_unit: int) -> int:
     u = torch.arange(len(f), device=f.device)[:, None].expand(-1, Tc)
     cx.units.hole[u[keep], Tc - 1 - order[keep]] = True
     return int(f.sum())
+
+
+# GraceKV's rows (evaluate.py --methods): name -> Settings overrides, each swapping one formula
+# or setting; `gracekv` is the method as read here. Their figures: docs/gracekv.md.
+VARIANTS = {"gracekv": {},
+            # this project's departures, one each (docs/gracekv.md has their dev figures):
+            "gracekv-lookahead": {"rank_adds": rank_with_lookahead},   # adds ranked with the split behind
+            "gracekv-postkey": {"key": key_post},                 # the exact mean-logit key
+            "gracekv-shared": {"unit_rows": shared_row},          # one relevance row for every unit
+            "gracekv-hole": {"extract": extract_hole},            # extraction as a node with a hole, cost 1
+            "gracekv-globalbeta": {"value_beta": beta_global},    # one β for every node
+            "gracekv-dense": {"multi_hop": dense_hops, "dense_hops": 2},   # dense hops, no seeds
+            "gracekv-greedycut": {"slotting": greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,)},
+            "gracekv-floor": {"floor": row_floor, "floor_frac": 0.95},     # 95 % exact tokens by ω·R
+            # the first reading, all of them together
+            "gracekv-v1": {"rank_adds": rank_with_lookahead, "unit_rows": shared_row, "extract": extract_hole,
+                           "value_beta": beta_global, "multi_hop": dense_hops, "dense_hops": 2,
+                           "slotting": greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,), "floor": row_floor,
+                           "floor_frac": 0.1, "seeds": 16, "evidence": 0},
+            # ablations
+            "gracekv-mn": {"multiplicity": multiplicity_n},       # m = n
+            "gracekv-fit": {"multiplicity": multiplicity_fit},    # log m fitted on the probes
+            "gracekv-trees": {"floor_frac": 0.0},                 # the trees alone: no floor
+            "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # relevance from the first hop only
+            "gracekv-backhops": {"hop_forward": 0.0},             # hops walk only what a token reads
+            "gracekv-noevidence": {"evidence": 0},                # distortion probes U alone
+            "gracekv-exact": {"floor": row_floor, "floor_frac": 1.0}}   # no trees: every entry an exact token
+
+
+def variant(name: str, budget: int):
+    """The GraceKV row `name` at `budget`: a key of VARIANTS, or such a key with settings in
+    brackets, `gracekv[seeds=64;floor_frac=0.25]` (numbers or tuples of them; how the dev
+    choices in docs/gracekv.md were compared)."""
+    from gracekv import GraceKV, Settings       # the method's module imports this one
+    base, _, tail = name.partition("[")
+    if base not in VARIANTS or (tail and not tail.endswith("]")):
+        raise UsageError(f"unknown GraceKV row {name!r}; choose from {', '.join(VARIANTS)} (+ [field=value;...])")
+    over = dict(VARIANTS[base])
+    for item in filter(None, tail[:-1].split(";")):
+        k, _, v = item.partition("=")
+        if k not in Settings.__dataclass_fields__ or callable(getattr(Settings(), k)):
+            raise UsageError(f"{name}: {k!r} is not a numeric GraceKV setting")
+        try:
+            over[k] = ast.literal_eval(v)
+        except (ValueError, SyntaxError):
+            raise UsageError(f"{name}: {k}={v!r} is not a number or a tuple of numbers") from None
+    return GraceKV(budget, Settings(**over))
+
+
+def is_row(name: str) -> bool:
+    """Whether `name` is a GraceKV row (a VARIANTS key, with or without [settings])."""
+    return name.partition("[")[0] in VARIANTS

@@ -54,6 +54,8 @@ class Sample:
     stop_at_newline: bool = False  # LongBench pred.py: samsum also stops at "\n"
     templated: bool = False    # prompt was rendered by the chat template: it holds its own
                                # special tokens (encode with add_special_tokens=False)
+    prefix: str = ""           # prompt = prefix + context + question (support/protocols.py):
+    question: str = ""         # the instruction before the context and the query after it
 
 
 # ----------------------------------------------------------------------------- text source
@@ -200,9 +202,17 @@ def fit(tok, target: int, build: Callable, task: str, n_min: int = 1, n_max: int
 
 
 def _sample(task, index, tok, target, build, metric, max_new, **kw) -> Sample:
+    """build(n) -> (prompt, answers, gold, (prefix, question)): the fitted Sample."""
     n, n_tokens = fit(tok, target, build, task, **kw)
-    prompt, answers, gold = build(n)
-    return Sample(task, index, prompt, answers, metric, max_new, gold=gold, n_tokens=n_tokens)
+    prompt, answers, gold, (prefix, question) = build(n)
+    assert prompt.startswith(prefix) and prompt.endswith(question)
+    return Sample(task, index, prompt, answers, metric, max_new, gold=gold, n_tokens=n_tokens,
+                  prefix=prefix, question=question)
+
+
+def around(template: str, **fields) -> tuple:
+    """(prefix, question) of a template: its text before and after `{context}`, filled."""
+    return tuple(template.format(context="\0", **fields).split("\0"))
 
 
 # ----------------------------------------------------------------------------- RULER: needles
@@ -301,7 +311,7 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
                 lines = distractors[:n]
             context = "\n".join(_insert(lines, needles, fractions))
         prompt = template.format(type_needle_v=type_v, context=context, query=query)
-        return prompt, answers, " " + ", ".join(answers)
+        return prompt, answers, " " + ", ".join(answers), around(template, type_needle_v=type_v, query=query)
     return _sample(task, index, tok, target, build, "string_match_all", 128)
 
 
@@ -332,17 +342,17 @@ def _vt_chain(rng, var_len: int):
         for j, (line, u) in enumerate(zip(chain, fractions)):    # insert_pi + j keeps the order
             lines.insert(int(u * (len(lines) - j)) + j, line)
         return VT_TEMPLATE.format(context="\n".join(lines), query=value, num_v=VT_HOPS + 1)
-    return text, names
+    return text, names, around(VT_TEMPLATE, query=value, num_v=VT_HOPS + 1)
 
 
 def vt(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     """RULER variable tracking with its one-shot example (variable_tracking.py `add_fewshot`:
     3-letter variables, then the example's answer, then the task with 5-letter variables)."""
     rng = random.Random(f"vt/{seed}/{index}")
-    example, example_vars = _vt_chain(rng, 3)
+    example, example_vars, _ = _vt_chain(rng, 3)
     shot = example(VT_EXAMPLE_WORDS) + " " + " ".join(example_vars) + "\n"
-    text, names = _vt_chain(rng, 5)
-    build = lambda n: (shot + "\n" + text(n), names, " ".join(names))
+    text, names, (pre, question) = _vt_chain(rng, 5)
+    build = lambda n: (shot + "\n" + text(n), names, " ".join(names), (shot + "\n" + pre, question))
     return _sample("vt", index, tok, target, build, "string_match_all", 30)
 
 
@@ -372,7 +382,8 @@ def fwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     def build(n):
         words = [w for k, w in enumerate(vocab, 1) for _ in range(int(n * k ** -alpha / zeta))]
         random.Random(shuffle_seed).shuffle(words)
-        return FWE_TEMPLATE.format(context=" ".join(words)), vocab[1:4], " " + " ".join(vocab[1:4])
+        return (FWE_TEMPLATE.format(context=" ".join(words)), vocab[1:4], " " + " ".join(vocab[1:4]),
+                around(FWE_TEMPLATE))
     return _sample("fwe", index, tok, target, build, "string_match_all", 50)
 
 
@@ -400,8 +411,9 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     ex_words = rng.sample(pool, n_ex)
     shot = listing(ex_words, ex_cw, ex_ucw, rng.random()) + " " + numbered(ex_words[:10])
     order, shuffle_seed = rng.sample(pool, len(pool)), rng.random()
+    pre, question = around(CWE_TEMPLATE)
     build = lambda n: (shot + "\n" + listing(order[:n], cw, ucw, shuffle_seed), order[:10],
-                       " " + numbered(order[:10]))
+                       " " + numbered(order[:10]), (shot + "\n" + pre, question))
     return _sample("cwe", index, tok, target, build, "string_match_all", 120, n_min=10, n_max=len(pool))
 
 

@@ -89,13 +89,17 @@ def naive_propagate(s_bar, A, n, hops, decay):
     return (d / d.sum() if d.sum() > 0 else s_bar), chosen
 
 
-@given(st.integers(12, 40), st.integers(0, 3), st.integers(0, 3))
-def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops):
+@given(st.integers(12, 40), st.integers(0, 3), st.integers(0, 3), st.sampled_from([0.0, 0.5, 1.0]),
+       st.sampled_from([0, 3, 32]))
+def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops, fwd, n_ev):
     """ŝ per unit = the unit's query heads' attention from the probe rows, normalised; d̂ from
-    the seeds of the mean ŝ walked along the sampled layers' mean attention (naive maps);
-    R = 0.7·ŝ + 0.3·d̂ for each unit on its own; the dense variant's x^k; ω (eq. 11)."""
+    the seeds of the mean ŝ walked along the sampled layers' mean attention (naive maps; the
+    forward share f walks Aᵀ); R = 0.7·ŝ + 0.3·d̂ for each unit on its own; the dense
+    variant's x^k; ω (eq. 11) from U alone; the evidence probes: the strided queries in the
+    slots of highest peak R (past token 4), U's first, with their positions."""
     m = tiny(seed)
-    s = GK.Settings(**{**SET.__dict__, "hops": hops, "dense_hops": hops, "hop_depths": (0.0, 1.0)})
+    s = GK.Settings(**{**SET.__dict__, "hops": hops, "dense_hops": hops, "hop_depths": (0.0, 1.0),
+                       "hop_forward": fwd, "evidence": n_ev, "evidence_stride": 2})
     x = tokens(seed, T)
     full, maps, qs, outs = attention_maps(m, x)
     _, stats = GK.observe(m, x, s, chunk=3)
@@ -114,6 +118,7 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops):
             shat.append(own / own.sum())
     cx = GK.context(m, full, stats, r, s)
     A = sum(maps[l][:, :Tc, :Tc].mean(0) for l in (0, 1)) / 2                # sampled: layers 0 and 1
+    A = (1 - fwd) * A + fwd * A.T                                             # A[j]: what j reads / who reads j
     s_bar = torch.stack(shat).mean(0)
     d_hat, seeds = naive_propagate(s_bar / s_bar.sum(), A, s.seeds, hops, s.decay)
     assert cx.seeds == seeds
@@ -128,6 +133,14 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops):
             contrib = outs[l][2 * g:2 * g + 2, T - r:].transpose(0, 1).reshape(r, 16) @ Wo[:, cols].T
             b = contrib.norm(dim=-1).mean()
             torch.testing.assert_close(cx.omega[l * G + g], (a * b).sqrt(), rtol=1e-10, atol=0)
+        peak = cx.units.R[l * G:(l + 1) * G, :Tc].mean(0).clone()
+        peak[:4] = 0
+        best = sorted(cx.slots, key=lambda ab: -float(peak[ab[0]:ab[1]].max()))
+        ev = [t for a, b in best for t in range(a, b) if t % 2 == 0][:n_ev]
+        at = list(range(T - r, T)) + ev
+        for g in range(G):
+            torch.testing.assert_close(cx.units.q[l * G + g], qs[l][2 * g:2 * g + 2, at].reshape(-1, 8))
+            assert cx.units.qpos[l * G + g].tolist() == at * 2
 
 
 @given(st.integers(3, 12), st.integers(1, 3), st.integers(0, 3), st.integers(0, 10**6))
@@ -213,7 +226,8 @@ def naive_node(cx, j, toks, s):
         mm = len(toks)
     elif s.multiplicity is V.multiplicity_fit:     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
         lZ = cx.lg[j, toks].exp().sum(0).log()
-        fit = float((torch.softmax(lZ, 0) * (lZ - logit)).sum())
+        seen = cx.qpos[j] >= toks[-1]
+        fit = float((torch.softmax(lZ[seen], 0) * (lZ - logit)[seen]).sum())
         mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + V.FIT_SLACK))
     # β: the node's own, 0.1·mean of R over its tokens (eq. 7); the variant's: 0.1·mean over the context
     w = R + s.beta * (cx.R[j, :cx.Tc].mean() if s.value_beta is V.beta_global else R.mean())
@@ -225,9 +239,10 @@ def naive_node(cx, j, toks, s):
     denom = (Mx ** 2).sum(-1) + s.eps * Z ** 2
     Dq = (Z - Zp) ** 2 / Z ** 2 + ((Mx - Zp[:, None] * val) ** 2).sum(-1) / denom
     Dd = 1 + (Mx ** 2).sum(-1) / denom
-    wq = Z / Z.sum()
-    return dict(key=key, val=val, logm=math.log(mm), pos=int(p), D=float((wq * Dq).sum()),
-                Ddrop=float((wq * Dd).sum()), R=float(R.sum()))
+    seen = cx.qpos[j] >= toks[-1]      # a probe reads a node only from at or after its last token
+    wq = Z * seen / (Z * seen).sum()
+    return dict(key=key, val=val, logm=math.log(mm), pos=int(p), D=float((wq * Dq)[seen].sum()),
+                Ddrop=float((wq * Dd)[seen].sum()), R=float(R.sum()))
 
 
 VARIANTS = [{}, {"key": V.key_post, "multiplicity": V.multiplicity_fit}, {"multiplicity": V.multiplicity_n},
@@ -418,6 +433,20 @@ def test_bad_input():
     full, stats = GK.observe(m, tokens(0, 20), SET)
     with pytest.raises(M.UsageError):
         GK.compress(m, full, stats, 10, GK.Settings())                        # other window
+
+
+def test_rows_with_settings_in_brackets():
+    import evaluate as E
+    got = GK.variant("gracekv-v1[seeds=64;hop_depths=(0.5, 1.0)]", 128)
+    base = GK.variant("gracekv-v1", 128).settings
+    assert got.budget == 128 and got.settings.seeds == 64 and got.settings.hop_depths == (0.5, 1.0)
+    assert got.settings.key is base.key and got.settings.floor_frac == base.floor_frac
+    assert E.method_list("full,gracekv[seeds=8;hop_depths=(0.5,1.0)],snapkv") == \
+        ["full", "gracekv[seeds=8;hop_depths=(0.5,1.0)]", "snapkv"]
+    for bad in ("gracekv[nope=1]", "gracekv[key=1]", "gracekv[seeds=x]", "gracekv[seeds=1", "nokv[seeds=1]"):
+        with pytest.raises(M.UsageError):
+            GK.variant(bad, 128)
+    assert GK.is_row("gracekv[seeds=1]") and not GK.is_row("snapkv")
 
 
 # ----------------------------------------------------------------------------- embedded model
