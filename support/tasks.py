@@ -185,7 +185,8 @@ def ruler_seed(split: str, seed: int) -> int:
 
 def fit(tok, target: int, build: Callable, task: str, n_min: int = 1, n_max: int = None):
     """Largest haystack size n with len(encode(build(n)[0])) <= target, by doubling then
-    bisection (RULER `generate_samples`). build(n) -> (prompt, answers, gold). -> (n, n_tokens)."""
+    bisection (RULER `generate_samples`). build(n) -> (prompt, answers, gold, (prefix, question));
+    returns (n, n_tokens)."""
     def length(n):
         return len(tok.encode(build(n)[0]))
     if length(n_min) > target:

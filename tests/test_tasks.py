@@ -103,6 +103,22 @@ def test_niah_needles_and_question(samples, name):
     assert s.gold == " " + ", ".join(s.answers)
 
 
+@pytest.mark.parametrize("name", sorted(tasks.RULER_TASKS))
+def test_prompt_splits_into_prefix_context_question(samples, name):
+    """prompt = prefix + context + question, cut at the template's {context}: every answer is
+    in the context and none in the question, which holds the query; the context is the bulk."""
+    s = samples[name]
+    assert s.prompt.startswith(s.prefix) and s.prompt.endswith(s.question) and s.question
+    context = s.prompt[len(s.prefix):len(s.prompt) - len(s.question)]
+    assert len(context) > 0.6 * len(s.prompt)          # (cwe: its one-shot example is a third)
+    for value in s.answers:
+        assert value in context and value not in s.question
+    if name.startswith("niah"):
+        assert "What " in s.question and "What " not in context
+    if name in ("vt", "cwe"):                  # the one-shot example precedes the task's context
+        assert s.prefix.count("\n") >= 1 and len(s.prefix) > 100
+
+
 def test_niah_single_1_is_rulers_template_on_the_noise_haystack(samples):
     s = samples["niah_single_1"]
     key = re.search(r"for (\S+) is: ", s.prompt).group(1)
