@@ -507,3 +507,31 @@ def test_retrieval_probes_come_from_dev_text_only(tok):
         body = "\n".join(l for l in body.split("\n") if not l.startswith("The special magic number for"))
         paragraphs = body.split("\n\n")[1:-1]                 # whole paragraphs (the ends are cut)
         assert paragraphs and all(q in dev and q not in test_paragraphs for q in paragraphs)
+
+
+@pytest.mark.parametrize("name", sorted(tasks.RULER_TASKS))
+def test_prompt_split_in_tokens(tok, samples, name):
+    """The token split on a tokenizer without merges is exact: the prefix tokens decode to the
+    prefix text and the question tokens to the question text."""
+    from support import protocols
+    s = samples[name]
+    ids = tok.encode(s.prompt)
+    a, q = protocols.split(tok, ids, s)
+    assert tok.decode(ids[:a]) == s.prefix and tok.decode(ids[len(ids) - q:]) == s.question
+    with pytest.raises(model.UsageError):
+        protocols.split(tok, ids, tasks.Sample(s.task, 0, s.prompt, s.answers, s.metric, 8))
+
+
+@pytest.mark.embedded
+@pytest.mark.parametrize("name", ["niah_single_1", "vt", "cwe"])
+def test_prompt_split_in_bpe_tokens(smol, name):
+    """With merges (the embedded BPE): the prefix and question tokens decode to the start of
+    the prefix text and the end of the question text, short of at most an edge token each."""
+    from support import protocols
+    tok = smol
+    s = tasks.RULER_TASKS[name](tok, 2000, 0, 0)
+    ids = tok.encode(s.prompt)
+    a, q = protocols.split(tok, ids, s)
+    body, tail = tok.decode(ids[:a]), tok.decode(ids[len(ids) - q:])
+    assert s.prefix.startswith(body) and len(body) >= len(s.prefix) - 12
+    assert s.question.endswith(tail) and len(tail) >= len(s.question) - 12
