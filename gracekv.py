@@ -255,15 +255,13 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
         best = m + (gain if k < K else 0.0)
     cuts = [Tc]
     for k in range(K, 0, -1):
-        cuts.append(int(back[k - 1][cuts[-1]]))
-    cuts = cuts[::-1]
+        cuts.insert(0, int(back[k - 1][cuts[0]]))
     return list(zip(cuts[:-1], cuts[1:]))
 
 
 # ============================================================================= prototype trees and distortion (eqs. 6-8)
-# A node = a span [a, b) of one unit (layer, KV head) minus the unit's holes (floor tokens and
-# tokens extracted from its ancestors). `Units` holds every per-prompt tensor a node reads,
-# stacked over units; `context` builds them. `node_stats` is the batched kernel of eqs. 6-8.
+# A node = a span [a, b) of one unit (layer, KV head) minus its holes (floor tokens, tokens
+# extracted from its ancestors); `Units` holds what a node reads; `node_stats`: eqs. 6-8, batched.
 
 @dataclass
 class Units:
@@ -405,10 +403,9 @@ def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings) -> torch.
 
 
 def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
-    """Distortion probes per unit, all g heads of each group: U (the last r tokens) and then the
-    evidence probes ev (L, m) of the strided queries: q (U, P, D), their causal logits over
-    every key lg (U, P, T), the rows' logsumexp c (U, P) and the probes' token indices (U, P);
-    P = g·(r + m), ordered (head, probe)."""
+    """Distortion probes per unit, g heads each: U (the last r tokens), then the evidence probes
+    ev (L, m): q (U, P, D), causal logits over every key lg (U, P, T), the rows' logsumexp
+    c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
     cfg = model.config
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     rp, pos = flow.probes[0].shape[1], full.layers[0].pos[0, 0]      # (T,) the keys' positions
@@ -460,21 +457,26 @@ def unit_norm(y: torch.Tensor) -> torch.Tensor:                       # rows sum
 def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0, chunk: int = 256):
     """rows(idx) -> (len(idx), Tc): the token attention map the hops walk on, mean over all H
     heads and the sampled layers (those whose queries the flow kept): (1 − forward)·A[idx, :]
-    (what the tokens idx < Tc read) + forward·A[:, idx]ᵀ (which context tokens read them; query
-    rows in chunks, never a (T, T) map)."""
+    (what the tokens idx < Tc read) + forward·A[:, idx]ᵀ (which context tokens read them: each
+    row's log-normaliser once per layer, in chunks of query rows; never a (T, T) map)."""
     H, G = model.config.n_heads, model.config.n_kv_heads
     layers = [l for l, q in enumerate(flow.queries) if q is not None]
 
-    def attn(l, at):                                                 # (n, Tc) A[at, :] of layer l, mean over H
-        q, k = flow.queries[l][:, at], full.layers[l].k[0, :, :Tc]   # (H, n, D), (G, Tc, D)
-        lg = q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2) / math.sqrt(q.shape[-1])
-        lg = lg.masked_fill(torch.arange(Tc, device=k.device) > at[:, None], float("-inf"))  # causal
-        return torch.softmax(lg.double(), -1).mean(0)
+    every, lse = torch.arange(Tc, device=full.layers[0].k.device), {}
+
+    def logits(l, at, keys):                                         # (H, n, m) causal, queries at, keys
+        q, k = flow.queries[l][:, at], full.layers[l].k[0, :, keys]  # (H, n, D), (G, m, D)
+        lg = (q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2)).double() / math.sqrt(q.shape[-1])
+        return lg.masked_fill(keys[None, :] > at[:, None], float("-inf"))
+
+    def norm(l):                                                     # (H, Tc) every row's log Σ, once
+        if l not in lse:
+            lse[l] = torch.cat([logits(l, every[c:c + chunk], every).logsumexp(-1) for c in range(0, Tc, chunk)], 1)
+        return lse[l]
 
     def rows(idx):                                                   # (n, Tc)
-        back = lambda l: attn(l, idx) if forward < 1 else 0.0
-        fwd = lambda l: torch.cat([attn(l, torch.arange(c, min(c + chunk, Tc)))[:, idx]
-                                   for c in range(0, Tc, chunk)]).T if forward > 0 else 0.0
+        back = lambda l: torch.softmax(logits(l, idx, every), -1).mean(0) if forward < 1 else 0.0
+        fwd = lambda l: (logits(l, every, idx) - norm(l)[..., None]).exp().mean(0).T if forward > 0 else 0.0
         return sum((1 - forward) * back(l) + forward * fwd(l) for l in layers) / len(layers)
     return rows
 
@@ -615,8 +617,7 @@ def best_splits(cx, plan: Plan, ids: list):
 
 
 def rank_by_gain(cx, plan: "Plan", best_splits=None) -> dict:
-    """Eq. 13 as stated: an add competes by its own gain per entry, Δ_add / 1."""
-    return dict(plan.add_gain)
+    return dict(plan.add_gain)            # eq. 13 as stated: an add competes by Δ_add / 1
 
 
 def allocate(cx, B_alloc: int) -> Plan:
@@ -697,8 +698,7 @@ def allocate(cx, B_alloc: int) -> Plan:
 def seed_floor(cx: Context, per_unit: int) -> int:
     """The budget-aware singleton floor: the first min(per_unit, |seeds|) seeds of the multi-hop
     (hop 0 by s̄, then each hop's, best first) kept exact in every unit, as holes in its trees,
-    before the competition; per_unit = ⌊floor_frac·(B − r)⌋ grows with the budget [choice].
-    Returns the floor's entries (never more than U·per_unit)."""
+    before the competition; per_unit = ⌊floor_frac·(B − r)⌋ grows with B [choice]. Returns its entries (≤ U·per_unit)."""
     f = cx.seeds[:per_unit]
     if f:
         cx.units.hole[:, torch.tensor(f, device=cx.units.hole.device)] = True
