@@ -47,7 +47,7 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
-from support.gracekv_variants import VARIANTS, is_row, variant  # noqa: F401  (gracekv.variant: the rows)
+from support.gracekv_variants import VARIANTS, is_row, overrides  # noqa: F401  (the rows)
 from support.greedy import Plan, Split, add_nodes, batched_logits, by_length, peek
 from support.greedy import picture  # noqa: F401  (gracekv.picture: the README's API)
 
@@ -752,8 +752,7 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         raise UsageError(f"gracekv compresses one prompt at a time, got a batch of {B}")
     if flow.window != s.window:
         raise UsageError(f"flow observed with window {flow.window}, settings say {s.window}")
-    dev, G = full.layers[0].k.device, full.layers[0].k.shape[1]
-    plan = None
+    dev, G, plan = full.layers[0].k.device, full.layers[0].k.shape[1], None
     if T <= budget:                                                           # identity: FullKV
         out = Cache(list(full.layers), full.next_pos, full.last_logits)
     elif budget <= s.window:          # only the window fits: the attention sink + the last B − 1
@@ -769,7 +768,6 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
     return (out, plan) if return_plan else out
 
 
-@torch.no_grad()
 def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> Cache:
     """Full prefill of tokens (1, T), then GraceKV compression to `budget` entries per unit."""
     return GraceKV(budget, settings).prefill(model, tokens)
@@ -794,7 +792,9 @@ class GraceKV(polykv.Method):
         return compress(model, full, flow_of(obs, self.settings.window), self.budget, self.settings)
 
     @torch.no_grad()
-    def prefill(self, model, tokens) -> Cache:
-        if tokens.shape[1] <= self.budget:       # nothing to compress: skip the observation
-            return M.prefill(model, tokens)
-        return super().prefill(model, tokens)
+    def prefill(self, model, tokens) -> Cache:                   # T <= B: FullKV, no observation
+        return M.prefill(model, tokens) if tokens.shape[1] <= self.budget else super().prefill(model, tokens)
+
+
+def variant(name: str, budget: int) -> GraceKV:       # a row of VARIANTS, [settings] allowed
+    return GraceKV(budget, Settings(**overrides(name, Settings)))

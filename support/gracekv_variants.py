@@ -125,24 +125,24 @@ VARIANTS = {"gracekv": {},
             "gracekv-exact": {"floor": row_floor, "floor_frac": 1.0}}   # no trees: every entry an exact token
 
 
-def variant(name: str, budget: int):
-    """The GraceKV row `name` at `budget`: a key of VARIANTS, or such a key with settings in
-    brackets, `gracekv[seeds=64;floor_frac=0.25]` (numbers or tuples of them; how the dev
-    choices in docs/gracekv.md were compared)."""
-    from gracekv import GraceKV, Settings       # the method's module imports this one
+def overrides(name: str, settings) -> dict:
+    """The Settings overrides of the GraceKV row `name`: a key of VARIANTS, or such a key with
+    settings in brackets, `gracekv[seeds=64;floor_frac=0.25]` (numbers or tuples of them; how
+    the dev choices in docs/gracekv.md were compared). settings: the Settings class (checked
+    against its numeric fields)."""
     base, _, tail = name.partition("[")
     if base not in VARIANTS or (tail and not tail.endswith("]")):
         raise UsageError(f"unknown GraceKV row {name!r}; choose from {', '.join(VARIANTS)} (+ [field=value;...])")
     over = dict(VARIANTS[base])
     for item in filter(None, tail[:-1].split(";")):
         k, _, v = item.partition("=")
-        if k not in Settings.__dataclass_fields__ or callable(getattr(Settings(), k)):
+        if k not in settings.__dataclass_fields__ or callable(getattr(settings(), k)):
             raise UsageError(f"{name}: {k!r} is not a numeric GraceKV setting")
         try:
             over[k] = ast.literal_eval(v)
         except (ValueError, SyntaxError):
             raise UsageError(f"{name}: {k}={v!r} is not a number or a tuple of numbers") from None
-    return GraceKV(budget, Settings(**over))
+    return over
 
 
 def is_row(name: str) -> bool:
