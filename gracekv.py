@@ -279,7 +279,7 @@ class Units:
     inv_freq: torch.Tensor
     s: object             # Settings (β, ε, λ_Z, λ_M, log ρ cap, the key and multiplicity formulas)
     k: torch.Tensor       # (U, Tc+1, D) post-RoPE context keys (the post-RoPE-key variant)
-    qpos: torch.Tensor = None   # (U, P) the probes' token indices: a probe reads nodes ending at or before it
+    qpos: torch.Tensor    # (U, P) the probes' token indices: a probe reads nodes ending at or before it
     p0: int = 0           # the position of token 0 (> 0 when a protocol cuts the prompt's prefix off)
 
     @property

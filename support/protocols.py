@@ -9,19 +9,9 @@ token there, so it ends the run and goes to the context [choice: the context is 
 protocol compresses; the prefix and question keep only tokens that are theirs alone]."""
 from __future__ import annotations
 
+from os.path import commonprefix      # the longest common start of lists, too
+
 from support.errors import UsageError
-
-PROTOCOLS = ("prompt", "context", "agnostic")
-
-
-def _common(a: list, b: list) -> int:
-    """Length of the longest common start of a and b."""
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def split(tok, ids: list, sample) -> tuple:
@@ -30,9 +20,9 @@ def split(tok, ids: list, sample) -> tuple:
     if not sample.question:
         raise UsageError(f"{sample.task} #{sample.index}: the sample has no question to split at")
     special = not sample.templated
-    n_prefix = _common(ids, tok.encode(sample.prefix, add_special_tokens=special))   # BOS included
+    n_prefix = len(commonprefix([ids, tok.encode(sample.prefix, add_special_tokens=special)]))   # BOS included
     q = tok.encode(sample.question, add_special_tokens=False)
-    n_question = _common(ids[::-1], q[::-1])
+    n_question = len(commonprefix([ids[::-1], q[::-1]]))
     if n_question < 1 or n_prefix + n_question >= len(ids):
         raise UsageError(f"{sample.task} #{sample.index}: cannot split the prompt at its question")
     return n_prefix, n_question
