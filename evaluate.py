@@ -8,16 +8,21 @@ Markdown table (rows = methods, columns = tasks). Suites (docs/protocol.md, data
   the gold answer teacher-forced after the answer prefix, its ΔNLL and KL vs FullKV.
 - LongBench (`--data DIR`): greedy answers scored with the official metrics.
 
-Protocol (SnapKV / PyramidKV / KVCache-Factory): the whole prompt is prefilled with full
-attention, then compressed once; so the first generated token is always predicted from full
-attention, identically for every method, and only later tokens see the compressed cache. All
-methods of one sample share that one prefill (and its attention statistics); each method costs
-only its compression and decoding. Teacher-forced distributions count from the first
-continuation token (predicted from the prefill's last logits) on.
+Protocols (`--protocol`, several at once; support/protocols.py): `prompt` (SnapKV / PyramidKV /
+KVCache-Factory, the default): the whole prompt is prefilled with full attention, then compressed
+once and charged; so the first generated token is always predicted from full attention,
+identically for every method, and only later tokens see the compressed cache. `context`: the
+same prefill, but only the context between the prompt's prefix and question is compressed and
+charged; prefix and question stay exact and free. `agnostic`: prefix + context are prefilled and
+compressed without the question, which is then fed to every cache (FullKV's too) and appended.
+Every row records its protocol; the summary and table are per protocol. All methods of one
+sample and protocol share one prefill (and its attention statistics); each method costs only its
+compression and decoding. Teacher-forced distributions count from the first continuation token
+(predicted from the last logits of the prompt) on.
 
 A fair comparison (docs/protocol.md):
 - Equal memory (`--memory equal`, the default): every method may grow by the tokens that follow
-  the prompt; a policy's decode budgets are its prefill budgets plus that allowance, so an
+  the prompt (under context / agnostic also by the free prefix and question); a policy's decode budgets are its prefill budgets plus that allowance, so an
   evicting decode rule (TOVA, H2O, StreamingLLM, PolyKV's) evicts only beyond it and every
   method's peak equals its prompt cache plus the same tokens. Each row records the prompt cache
   after compression (`kv_fraction`), the peak real entries while teacher-forcing
@@ -66,6 +71,7 @@ import model as M
 import polykv as P
 from support import longbench as LB
 from support import metrics, report
+from support import protocols as PR
 from support import tasks as TK
 from support.errors import UsageError
 from support.files import read_rows, write_atomic
@@ -146,6 +152,7 @@ class Item:
     tokens: torch.Tensor        # (1, T)
     sample: TK.Sample = None    # RULER / LongBench: answers, metric, max_new_tokens, gold
     target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
+    split: tuple = None         # (n_prefix, n_question) tokens (protocols.split); None: no question
 
 
 def compare(ref_lp, lp, target) -> tuple:
@@ -176,6 +183,7 @@ class Row:
     kl: Optional[float] = None  # fidelity: KL(FullKV ‖ method), mean over the teacher-forced tokens
     dnll: Optional[float] = None
     top1: Optional[float] = None
+    protocol: str = "prompt"    # what is compressed and charged (support/protocols.py)
     peak_fraction: Optional[float] = None   # most entries while decoding / FullKV's
     alloc_fraction: Optional[float] = None  # the same for allocated slots (padding included)
     pred: Optional[str] = None
@@ -230,26 +238,58 @@ class Methods:
         return pol.with_allowance(self.args.allowance) if self.args.memory == "equal" else pol
 
 
-def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set):
-    """All (method, budget) results of one item not in done, as JSON rows (`Row`)."""
+def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set, protocols=("prompt",)):
+    """All (method, budget, protocol) results of one item not in done, as JSON rows (`Row`). An
+    item without a question (fidelity) is run once, under `prompt`, and its rows stand for every
+    protocol: there the three coincide (support/protocols.py)."""
+    asked = {p: [(n, b) for b in budgets for n in names if result_key(n, b, item, p) not in done] for p in protocols}
+    if item.split is not None:
+        return [r for p, todo in asked.items() if todo for r in run_protocol(model, tok, methods, item, p, todo)]
+    rows = run_protocol(model, tok, methods, item, "prompt", list(dict.fromkeys(nb for v in asked.values() for nb in v)))
+    return [{**r, "key": result_key(r["method"], r["budget"], item, p), "protocol": p}
+            for p, todo in asked.items() for r in rows if (r["method"], r["budget"]) in todo]
+
+
+def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: list):
+    """The rows of (method, budget) pairs `todo` on one item under one protocol. Keys a..b−1 are
+    compressed and charged (prompt: all; agnostic: all but the question, which the observation
+    does not see and which is fed afterwards to every cache, FullKV's included; context: the
+    context alone, cut from the whole prompt's prefill and joined back between the exact prefix
+    and question). kv_fraction = compressed entries / (L·G·(b − a))."""
     T = item.tokens.shape[1]
-    todo = [(n, b) for b in budgets for n in names if result_key(n, b, item) not in done]
+    n_pre, n_q = item.split if protocol != "prompt" else (0, 0)
+    a, b = (n_pre if protocol == "context" else 0), T - n_q
+    seen = item.tokens[:, :b] if protocol == "agnostic" else item.tokens     # what the observation reads
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
+    L, G = model.config.n_layers, model.config.n_kv_heads
     t0 = time.perf_counter()
-    full, obs = P.observe_for(model, item.tokens, list(made.values()))
+    needs = P.union([m.needs(model) for m in made.values()], L)
+    full, obs = P.observe(model, seen, needs)
     t_p = time.perf_counter() - t0 - sum(obs.seconds.values())    # extra passes: their methods' cost
+    part, part_obs = PR.cut(full, obs, needs, a, b) if protocol == "context" else (full, obs)
+
+    def ask(cache):               # agnostic: the question arrives and is appended, as decoding would
+        if protocol == "agnostic":
+            M.decode(model, item.tokens[:, b:], cache)
+        return cache
+
+    free = T - (b - a)            # exact entries no method is charged for
     if item.target is not None:
         n = item.target.shape[1]
-        stepwise = any(m.evicts_within(T, n) for m in made.values())
-        ref_lp, (ref_entries, ref_slots) = M.teacher_force(model, full.fork(), item.target, None, stepwise)
-    L, G = model.config.n_layers, model.config.n_kv_heads
+        stepwise = any(m.evicts_within(b - a, n + free) for m in made.values())
+        ref_lp, (ref_entries, ref_slots) = M.teacher_force(model, ask(full.fork()), item.target, None, stepwise)
     out = []
     for (name, budget), method in made.items():
         t0 = time.perf_counter()
-        cache = method.compress(model, full, obs)
+        cache = method.compress(model, part, part_obs)
+        kept = cache.entries()
+        if protocol == "context":                    # prefix and question back, exact and free
+            cache = PR.join(full, cache, a, b)
         t_c = time.perf_counter() - t0 + own_pass(model, method, obs)
-        r = Row(result_key(name, budget, item), name, budget, item.task, item.length, item.index, T,
-                kv_fraction=cache.entries() / (L * G * T), compress_s=round(t_c, 4), prefill_s=round(t_p, 4))
+        cache = ask(cache)
+        r = Row(result_key(name, budget, item, protocol), name, budget, item.task, item.length, item.index, T,
+                kv_fraction=kept / (L * G * (b - a)), compress_s=round(t_c, 4), prefill_s=round(t_p, 4),
+                protocol=protocol)
         if item.target is not None:
             lp, (entries, slots) = M.teacher_force(model, cache.fork(), item.target,
                                                  method.decoder if stepwise else None, stepwise)
@@ -261,7 +301,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
             n_new = min(item.sample.max_new_tokens, methods.args.max_new_tokens)
             # a decoder that cannot evict within the answer would only cost time per step
             ids = M.greedy(model, cache.fork(), n_new, stop_ids(tok, item.sample),
-                           method.decoder if method.evicts_within(T, n_new) else None,
+                           method.decoder if method.evicts_within(b - a, n_new + free) else None,
                            answer_done(tok, item.sample))
             r.pred = tok.decode(ids)
             r.score = metrics.score(item.sample, r.pred)
@@ -301,16 +341,19 @@ def answer_done(tok, sample):
     return lambda ids: "\n" in tok.decode(ids).lstrip()
 
 
-def result_key(name, budget, item) -> str:
-    return f"{name}|{budget}|{item.task}|{item.length}|{item.index}"
+def result_key(name, budget, item, protocol="prompt") -> str:
+    """name|budget|task|length|index, and |protocol for the protocols other than `prompt`."""
+    return f"{name}|{budget}|{item.task}|{item.length}|{item.index}" + ("" if protocol == "prompt" else f"|{protocol}")
 
 
 # ----------------------------------------------------------------------------- suites
 
 def build_items(tok, args, model):
-    """The suite, deterministic from args.seed: fidelity prompts, RULER tasks, LongBench."""
+    """The suite, deterministic from args.seed: fidelity prompts, RULER tasks, LongBench; each
+    prompt with a question carries its (prefix, question) split when a protocol needs it."""
     dev = model.device
     as_t = lambda ids: torch.tensor([ids], device=dev)
+    cut = args.protocol != ["prompt"]         # a protocol reads where the question sits
     items = []
     for length in args.fidelity_length:
         for i in range(args.fidelity_samples):
@@ -322,10 +365,12 @@ def build_items(tok, args, model):
                 s = TK.RULER_TASKS[task](tok, length, TK.ruler_seed(args.split, args.seed), i)
                 ids = tok.encode(s.prompt)
                 gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
-                items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None))
+                items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None,
+                                  PR.split(tok, ids, s) if cut else None))
     if args.data:
         for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
-            items.append(Item(s.task, s.index, 0, as_t(tok.encode(s.prompt, add_special_tokens=not s.templated)), s))
+            ids = tok.encode(s.prompt, add_special_tokens=not s.templated)
+            items.append(Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None))
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
             raise UsageError(f"{it.task} prompt of {it.tokens.shape[1]} tokens is longer than the "
@@ -348,6 +393,10 @@ def parse(argv):
     ap.add_argument("--memory", choices=("equal", "budget"), default="equal",
                     help="equal: every method may grow by the generated tokens (evicting decode rules evict only "
                          "beyond that), so peaks are equal; budget: evicting decode rules hold their prompt budget")
+    ap.add_argument("--protocol", default="prompt",
+                    help="comma list of prompt (the whole prompt compressed and charged), context (only the "
+                         "context; prefix and question exact and free), agnostic (compressed before the "
+                         "question, which is then appended): support/protocols.py")
     ap.add_argument("--methods", default=None,
                     help=f"comma list (default {','.join(default_methods())}; --suite reference adds the joint PolyKV rows)")
     ap.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)")
@@ -383,6 +432,12 @@ def parse(argv):
     bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
     if bad:
         raise UsageError(f"unknown task {bad[0]!r}; choose from {', '.join(TK.RULER_TASKS)}")
+    args.protocol = list(dict.fromkeys(p for p in args.protocol.split(",") if p))
+    bad = [p for p in args.protocol if p not in PR.PROTOCOLS] or ([] if args.protocol else [""])
+    if bad:
+        raise UsageError(f"unknown protocol {bad[0]!r}; choose from {', '.join(PR.PROTOCOLS)}")
+    if args.memory == "budget" and args.protocol != ["prompt"]:
+        raise UsageError("--memory budget runs the prompt protocol only (its evicting decoders would evict the free entries)")
     ref = args.suite == "reference"
     args.budget = args.budget or ([64, 128, 512, 1024] if ref else [512])
     if min(args.budget) < 1:
@@ -450,10 +505,13 @@ def main(argv=None):
     keyed["dtype"] = str(m.dtype)
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
     out.mkdir(parents=True, exist_ok=True)
-    config = {**keyed, "budgets": args.budget, "methods": args.methods, "device": str(m.device), "out": str(out)}
+    config = {**keyed, "budgets": args.budget, "methods": args.methods, "protocols": args.protocol,
+              "device": str(m.device), "out": str(out)}
     if rank == 0:
         print("config: " + json.dumps(config), flush=True)
     items = build_items(tok, args, m)
+    # equal memory under context / agnostic: every cache also holds the exact prefix and question
+    args.allowance += max([sum(it.split) for it in items if it.split] or [0])
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     done = {r["key"] for r in rows}
     barrier(world)                        # every rank has read the files before any appends
@@ -465,7 +523,8 @@ def main(argv=None):
                     methods.get(n, b)
         barrier(world)
     # the items left to do, dealt round-robin to the ranks; each rank appends to its own file
-    todo = [it for it in items if not {result_key(n, b, it) for n in args.methods for b in args.budget} <= done]
+    todo = [it for it in items if not {result_key(n, b, it, p) for n in args.methods for b in args.budget
+                                        for p in args.protocol} <= done]
     mine = {id(it) for it in todo[rank::world]}
     jsonl = out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl")
     t0, n_run = time.time(), 0
@@ -473,7 +532,7 @@ def main(argv=None):
         for i, item in enumerate(items):
             if id(item) not in mine:
                 continue
-            new = run_item(m, tok, methods, args.methods, args.budget, item, done)
+            new = run_item(m, tok, methods, args.methods, args.budget, item, done, args.protocol)
             for r in new:
                 if item.sample is not None:
                     r["metric"] = item.sample.metric
@@ -484,13 +543,17 @@ def main(argv=None):
             n_run += 1
             eta = (time.time() - t0) / n_run * (len(mine) - n_run)
             print(("" if world == 1 else f"rank {rank} ")
-                  + report.progress(rows, item, args.methods, args.budget[0], i, len(items), eta), flush=True)
+                  + report.progress([r for r in rows if r.get("protocol", "prompt") == args.protocol[0]], item,
+                                    args.methods, args.budget[0], i, len(items), eta), flush=True)
     barrier(world)
     if rank != 0:
         return
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
-    summary = report.summarize(rows, args.methods, args.budget, baselines(),
-                               [n for n in args.methods if family(n) == "polykv"])
+    summary = []              # per protocol (rows written before protocols existed are `prompt`'s)
+    for p in args.protocol:
+        mine = [r for r in rows if r.get("protocol", "prompt") == p]
+        summary += [{**d, "protocol": p} for d in report.summarize(mine, args.methods, args.budget, baselines(),
+                                                                    [n for n in args.methods if family(n) == "polykv"])]
     config["wall_s"] = round(time.time() - t_start, 1)
     per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}
     config["prefill_s"] = round(sum(per_prompt.values()) / max(1, len(per_prompt)), 2)
@@ -500,11 +563,14 @@ def main(argv=None):
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
               f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt")
-    md = header + "\n\n" + report.table(summary, args.methods, args.budget, args.tasks)
+    tables = [(f"protocol {p}\n\n" if len(args.protocol) > 1 else "")
+              + report.table([d for d in summary if d["protocol"] == p], args.methods, args.budget, args.tasks)
+              for p in args.protocol]
+    md = header + f" · protocol {','.join(args.protocol)}\n\n" + "\n\n".join(tables)
     write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
-        report.plot(summary, args.methods, out, family)
+        report.plot([d for d in summary if d["protocol"] == args.protocol[0]], args.methods, out, family)
 
 
 if __name__ == "__main__":

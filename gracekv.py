@@ -7,7 +7,8 @@ context; adding a slot's root widens coverage, splitting an added node refines r
 all actions of all units compete for one budget. Read top to bottom, in the paper's order:
 
  1. Budget (2): B entries per unit on average; the recent window of r tokens is kept exact and
-    charged; B_alloc = U·B − U·r − B_floor goes to the greedy; T <= B is FullKV.
+    charged; B_alloc = U·B − U·r − B_floor goes to the greedy; T <= B is FullKV. Under the
+    `context` protocol (support/protocols.py) the prefix and question are exact and free.
  2. Slots (4)-(5): bends κ of the hidden-state trajectory over several layers and widths
     (mean − λ_stab·std), robust z-scored, cut by dynamic programming into slots of 16..128.
  3. Prototype trees and distortion (6)-(8): a node (n tokens) is one entry with key
@@ -26,11 +27,10 @@ all actions of all units compete for one budget. Read top to bottom, in the pape
  8. Cache assembly: a ragged cache (each unit exactly its entries); prototypes with bias log m.
 
 Notation: T prompt tokens, r recent window, Tc = T − r context tokens, H query heads, G KV
-heads, g = H/G, D head dim, L layers, U = L·G units, P = g·(r + m) probes per unit, n tokens
-in a node. One prompt at a time (batch 1). The cache holds at most U·B entries. [choices] where
-the paper is open are marked so beside the code; docs/gracekv.md ("Choices") lists them.
-Variants (`VARIANTS`, support/gracekv_variants.py) swap one function or setting each, among
-them this project's earlier readings; the kernels never branch on them.
+heads, g = H/G, D head dim, L layers, U = L·G units, P = g·(r + m) probes per unit, n tokens in
+a node; batch 1; at most U·B entries. [choice] marks where the paper is open (docs/gracekv.md,
+"Choices"); `VARIANTS` (support/gracekv_variants.py) swap one function or setting each, among
+them our earlier readings; the kernels never branch on them.
 """
 from __future__ import annotations
 
@@ -52,8 +52,7 @@ from support.greedy import Plan, Split, add_nodes, batched_logits, by_length, pe
 from support.greedy import picture  # noqa: F401  (gracekv.picture: the README's API)
 
 
-def _later(name: str):
-    """A default that names a function defined further down, in its step's section."""
+def _later(name: str):     # a default that names a function defined further down, in its step's section
     return field(default_factory=lambda: globals()[name])
 
 
@@ -102,13 +101,11 @@ class Settings:
                 and min(self.hops, self.evidence) >= 0):
             raise UsageError("need lambda_graph, floor_frac, hop_forward in [0, 1] and hops, evidence >= 0")
 
-    def to_json(self) -> dict:
-        """JSON-ready: each formula by its function's name."""
+    def to_json(self) -> dict:       # JSON-ready: each formula by its function's name
         return {k: getattr(v, "__name__", v) for k, v in self.__dict__.items()}
 
 
-def depths(fracs, L: int) -> list:
-    """Layer indices at fractions of the depth: round(f·(L − 1)), distinct."""
+def depths(fracs, L: int) -> list:    # layer indices at fractions of the depth: round(f·(L − 1)), distinct
     return sorted({round(f * (L - 1)) for f in fracs})
 
 
@@ -122,7 +119,7 @@ class ValueFlow:
     descending chunks, so every hop takes the same pass); the queries of the `sampled` layers,
     for the hop-wise propagation; every stride-th query (positions 0, stride, ...), from which
     `context` draws the evidence probes. Value per layer: (probes (H, r, D), x (hops+1, G, T),
-    queries (H, T, D) or None, strided queries (H, ⌈T/stride⌉, D) or None)."""
+    queries (H, T, D) or None, strided queries (H, ⌈T/stride⌉, D) or None, their phase 0)."""
     window: int = 32
     hops: int = 0
     sampled: tuple = ()
@@ -149,7 +146,16 @@ class ValueFlow:
             prev = x[k, :, c0:c1]
 
     def end(self, st: dict):
-        return st["probes"], st["x"], st["queries"], st["strided"]
+        return st["probes"], st["x"], st["queries"], st["strided"], 0
+
+    def cut(self, value, a: int, b: int):
+        """The value over keys a..b−1 alone (support/protocols.cut): the probes (the last r queries)
+        stay, x and the queries are sliced, the strided ones from the first in [a, b), with a phase."""
+        probes, x, queries, strided, phase = value
+        if strided is not None:
+            i0, i1 = (-(-(e - phase) // self.stride) for e in (a, b))
+            strided, phase = strided[:, i0:i1], i0 * self.stride + phase - a
+        return probes, x[..., a:b], None if queries is None else queries[:, a:b], strided, phase
 
     def merge(self, other: "ValueFlow") -> "ValueFlow":
         """Variants share one pass: the most dense hops and every sampled layer serve all."""
@@ -169,6 +175,7 @@ class Flow:
     flow: list = field(default_factory=list)    # [(hops+1, G, T)] x^0 = s (first hop), x^k = x^{k−1}·Ā
     queries: list = field(default_factory=list)  # [(H, T, D) or None] the sampled layers' queries
     strided: list = field(default_factory=list)  # [(H, ⌈T/stride⌉, D) or None] every stride-th query
+    phase: list = field(default_factory=list)    # [int] strided query i is token i·stride + phase
 
 
 def needs(s: "Settings", n_layers: int) -> polykv.Needs:
@@ -178,7 +185,7 @@ def needs(s: "Settings", n_layers: int) -> polykv.Needs:
 
 
 def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    return Flow(window, *map(list, zip(*obs.extra["flow"])))     # probes, flow, queries, strided
+    return Flow(window, *map(list, zip(*obs.extra["flow"])))     # probes, flow, queries, strided, phase
 
 
 @torch.no_grad()
@@ -270,8 +277,7 @@ class Units:
     kr: torch.Tensor      # (U, Tc+1, D) un-rotated context keys k° = RoPE⁻¹(k_t, t)
     v: torch.Tensor       # (U, Tc+1, D) values
     knorm: torch.Tensor   # (U, Tc+1) ‖k°_t‖
-    lg: torch.Tensor      # (U, Tc+1, P) log A[u, t]: probe logits minus each probe row's
-                          # logsumexp (so exp = attention mass)
+    lg: torch.Tensor      # (U, Tc+1, P) log A[u, t]: probe logits − each row's logsumexp
     q: torch.Tensor       # (U, P, D) probe queries
     c: torch.Tensor       # (U, P) probe rows' logsumexp
     R: torch.Tensor       # (U, Tc+1) relevance R_t of each unit's tokens; Σ_t R = 1
@@ -361,9 +367,8 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
     lg = rows(cx.lg)                                                          # (N, n, P), −inf outside
     mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)                      # (N, P) log-space shift
-    # e = exp(lg − mx) ≤ 1, the largest term 1; exponents below −80 are clamped there: e ≥ 1.8e−35
-    # in place of a denormal or 0, which the CPU's exp computes up to 30× slower, and next to
-    # the term 1 it vanishes from every sum, fp32 or fp64
+    # e = exp(lg − mx) ≤ 1, the largest term 1; exponents below −80 clamped: e ≥ 1.8e−35 in place of
+    # a denormal or 0 (the CPU's exp: up to 30× slower), which next to 1 vanishes from every sum
     e = (lg - mx[:, None]).clamp_(min=-80.0).exp_()
     Z = e.sum(1)                                                              # (N, P)
     logZ = (Z.log() + mx).masked_fill((a + last)[:, None] > cx.qpos.index_select(0, u), -1e30)  # unseen: weight 0
@@ -386,7 +391,7 @@ def _node_stats(cx: Units, u, a, b, skip, n):
 
 # ============================================================================= value flow and head weights (eqs. 9-11)
 
-def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings) -> torch.Tensor:
+def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0) -> torch.Tensor:
     """The evidence probes per layer (L, m), indices into the strided queries: the first
     m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
     StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
@@ -396,8 +401,8 @@ def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings) -> torch.
     out = []
     for row in Rl:
         best = sorted(slots, key=lambda ab: -float(row[ab[0]:ab[1]].max()))
-        at = [t // s.evidence_stride for a, b in best
-              for t in range(-(-a // s.evidence_stride) * s.evidence_stride, b, s.evidence_stride)]
+        st = s.evidence_stride
+        at = [(t - phase) // st for a, b in best for t in range(a + (phase - a) % st, b, st)]
         out.append(at[:s.evidence])
     return torch.tensor(out, dtype=torch.long, device=R.device)
 
@@ -413,7 +418,7 @@ def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
     qs, lgs, ats = [], [], []
     for l, lc in enumerate(full.layers):
         eq = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]  # (H, m, D)
-        at = torch.cat((last, pos[ev[l] * stride])).repeat(g)         # (P,) the probes' positions
+        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)   # (P,) the probes' positions
         q = torch.cat((flow.probes[l], eq), 1).to(acc).reshape(G, -1, D)   # (G, P, D)
         lg = (q @ lc.k[0].to(acc).transpose(1, 2)) / math.sqrt(D)    # (G, P, T)
         lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
@@ -489,10 +494,8 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     def order(v):                                                    # best first, ties to the later token
         best = len(v) - 1 - torch.sort(v.flip(0), descending=True, stable=True).indices
         return [i for i in best[:n_seeds].tolist() if v[i] > 0]
-    seeds, frontier = [], order(s_bar)
-    w = s_bar[frontier]
-    d = torch.zeros_like(s_bar)
-    seeds += frontier
+    frontier = order(s_bar)
+    seeds, w, d = list(frontier), s_bar[frontier], torch.zeros_like(s_bar)
     for k in range(1, hops + 1):
         if not frontier:
             break
@@ -530,9 +533,7 @@ class Context:
     s: Settings
     G: int = 1            # KV heads per layer: units l·G .. l·G+G−1 share layer l's cache
 
-    @property
-    def Tc(self) -> int:
-        return self.T - self.r
+    Tc = property(lambda self: self.T - self.r)
 
 
 def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
@@ -545,7 +546,7 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
     slots = s.slotting(kappa, Tc, s)
     G = model.config.n_kv_heads
-    ev = evidence_probes(R, slots, G, s)                             # (L, m)
+    ev = evidence_probes(R, slots, G, s, flow.phase[0])              # (L, m)
     q, lg, c, qpos = probes(model, full, flow, acc, ev, s.evidence_stride)   # (U, P, D), (U, P, T), (U, P) ×2
     omega = head_weights(model, full, lg, acc, flow.probes[0].shape[1])   # (U,)
     pos = full.layers[0].pos[0, 0]                                   # (T,) the keys' positions
@@ -724,12 +725,10 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
             ex = sorted(plan.floor[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
             ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
-            if protos:
-                k = torch.cat((k, torch.stack([x.key for x in protos]).to(k.dtype)))
-                v = torch.cat((v, torch.stack([x.val for x in protos]).to(v.dtype)))
-                pos = torch.cat((pos, torch.tensor([x.pos for x in protos], device=dev)))
-                logm = torch.tensor([x.logm for x in protos], device=dev, dtype=bias.dtype)
-                bias = torch.cat((bias, logm))                               # log m: m tokens' mass
+            if protos:                                                       # bias log m: m tokens' mass
+                more = (torch.stack([x.key for x in protos]), torch.stack([x.val for x in protos]),
+                        torch.tensor([x.pos for x in protos]), torch.tensor([x.logm for x in protos], dtype=torch.float64))
+                k, v, pos, bias = (torch.cat((x, y.to(x))) for x, y in zip((k, v, pos, bias), more))
             o = pos.argsort(stable=True)
             heads.append((k[o], v[o], pos[o], bias[o]))
         layers.append(LayerCache.pack(heads))                                 # (1, 1, Σ_g S_g, ·)

@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from support.errors import UsageError
-from support.tasks import Sample
+from support.tasks import Sample, around
 
 
 # THUDM/LongBench LongBench/config/dataset2prompt.json (English datasets), verbatim
@@ -78,7 +78,9 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
     `build_chat` does for chat models on every dataset but NO_CHAT, the prompt becomes the user
     turn of the checkpoint's own chat template (the modern equivalent for Llama-3 / Qwen3
     instruct checkpoints) when its tokenizer has one; a checkpoint without one (the embedded
-    GGUF conversion) is prompted raw."""
+    GGUF conversion) is prompted raw. prefix / question: the template's text before and after
+    `{context}` (the question holds `input`), for the protocols (support/protocols.py); a middle
+    truncation that cuts into either makes protocols.split refuse that sample."""
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UsageError(f"LongBench data folder {str(data_dir)!r} does not exist")
@@ -92,6 +94,7 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
     for dataset in found:
         for i, row in enumerate(_read_jsonl(data_dir / f"{dataset}.jsonl")):
             prompt = LONGBENCH_PROMPTS[dataset].format(context=row["context"], input=row["input"])
+            prefix, question = around(LONGBENCH_PROMPTS[dataset], input=row["input"])
             ids = tok.encode(prompt)
             if len(ids) > max_length:                # truncate in the middle
                 half = int(max_length / 2)
@@ -99,12 +102,13 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
                 ids = tok.encode(prompt)
             chat = dataset not in NO_CHAT
             templated = chat and getattr(tok, "has_chat_template", False)
-            if templated:
-                prompt = tok.chat(prompt)
+            if templated:             # the turn's header joins the prefix, the generation prompt the question
+                head, _, tail = tok.chat(prompt).partition(prompt)
+                prompt, prefix, question = head + prompt + tail, head + prefix, question + tail
                 ids = tok.encode(prompt, add_special_tokens=False)
             samples.append(Sample(dataset, i, prompt, [str(a) for a in row["answers"]],
                                   LONGBENCH_METRIC[dataset], LONGBENCH_MAXLEN[dataset],
                                   n_tokens=len(ids), all_classes=row.get("all_classes"),
                                   chat_template=chat, stop_at_newline=dataset == "samsum",
-                                  templated=templated))
+                                  templated=templated, prefix=prefix, question=question))
     return samples

@@ -1,6 +1,16 @@
-"""Where a prompt's question sits, in tokens: the split the `context` and `agnostic`
-protocols cut at (prompt = prefix + context + question; tasks.Sample carries the text).
+"""The three protocols: what of a prompt is compressed, what is charged, what compression sees.
 
+- `prompt`: the whole prompt is observed, compressed and charged (SnapKV, PyramidKV,
+  KVCache-Factory's LongBench runs).
+- `context`: prompt = prefix + context + question; the whole prompt is observed (compression
+  sees the question), only the context is compressed and charged; prefix and question stay
+  exact and free for every method (GraceKV's eq. 2): `cut`, then the method, then `join`.
+- `agnostic`: prefix + context are observed and compressed without the question, which is then
+  fed to the compressed cache and appended like generated tokens (NVIDIA kvpress's pipeline:
+  a document cached before its questions arrive).
+evaluate.py runs them (`--protocol`); a fidelity prompt has no question, the three coincide.
+
+Where a prompt's question sits, in tokens (`split`; tasks.Sample carries the text):
 The token split is found on the encoded prompt itself, never by encoding the pieces apart (a
 tokenizer may merge across a piece's edge): the prefix is the longest run of tokens the prompt
 shares with the encoded prefix text, the question the longest run it shares at its end with
@@ -11,7 +21,11 @@ from __future__ import annotations
 
 from os.path import commonprefix      # the longest common start of lists, too
 
+import torch
+
 from support.errors import UsageError
+
+PROTOCOLS = ("prompt", "context", "agnostic")
 
 
 def split(tok, ids: list, sample) -> tuple:
@@ -26,3 +40,50 @@ def split(tok, ids: list, sample) -> tuple:
     if n_question < 1 or n_prefix + n_question >= len(ids):
         raise UsageError(f"{sample.task} #{sample.index}: cannot split the prompt at its question")
     return n_prefix, n_question
+
+
+# ----------------------------------------------------------------------------- the context's share of a prefill
+
+def cut(full, obs, needs, a: int, b: int):
+    """The `context` protocol's input to a method: the FullKV cache of keys a..b−1 alone (their
+    positions kept; next_pos and last_logits the whole prompt's, so probes and windows read from
+    the question sit where they were) and the observation of the whole prompt over those keys:
+    every per-key statistic (B, H, T) sliced, Expected Attention's query statistics (μ, Σ) whole,
+    each extra statistic (polykv.Needs.extra) through its own `cut(value, a, b)`. So compression
+    sees the question (its queries' attention to the context) but keeps and is charged for
+    context tokens only. Rules apply their positional protections (sinks, last window) to the
+    cut's own ends [choice: the method runs unchanged on the context, as a kvpress press does]."""
+    Cache, LayerCache = type(full), type(full.layers[0])              # model.Cache, model.LayerCache
+    T = full.layers[0].size
+    layers = [LayerCache(lc.k[:, :, a:b], lc.v[:, :, a:b], lc.pos[:, :, a:b], lc.bias[:, :, a:b]) for lc in full.layers]
+    sliced = lambda x: x[..., a:b] if hasattr(x, "shape") and x.shape[-1] == T else x
+    stats = [{n: sliced(x) for n, x in d.items()} for d in obs.stats]
+    extra = {}
+    for name, st in needs.extra:
+        if not hasattr(st, "cut"):
+            raise UsageError(f"statistic {name!r} cannot be cut to the context (it has no cut method)")
+        extra[name] = [st.cut(v, a, b) for v in obs.extra[name]]
+    return Cache(layers, full.next_pos, full.last_logits), type(obs)(stats, extra, dict(obs.seconds))
+
+
+def join(full, comp, a: int, b: int):
+    """The prompt's cache under the `context` protocol: per layer and KV head the prefix (keys
+    < a) and the question (keys >= b) exact from the FullKV cache `full`, around the compressed
+    context `comp` (dense or ragged, as the method left it; a ragged one stays ragged). A decode
+    rule's state (H2O's acc) starts at 0 on the free entries; it is read only when a decoder
+    evicts, which equal memory rules out (evaluate.py)."""
+    Cache, LayerCache = type(full), type(full.layers[0])
+    layers = []
+    for f, c in zip(full.layers, comp.layers):
+        if c.head is None:                                                    # dense (B, G, S)
+            around = lambda x, fx: torch.cat((fx[:, :, :a], x, fx[:, :, b:]), 2)
+            acc = None if c.acc is None else around(c.acc, torch.zeros_like(f.bias, dtype=c.acc.dtype))
+            layers.append(LayerCache(around(c.k, f.k), around(c.v, f.v), around(c.pos, f.pos), around(c.bias, f.bias), acc))
+        else:                                                                 # ragged, batch 1
+            heads = []
+            for g in range(f.k.shape[1]):
+                mine = c.head[0, 0] == g
+                heads.append(tuple(torch.cat((fx[0, g, :a], cx[0, 0, mine], fx[0, g, b:]))
+                                   for fx, cx in ((f.k, c.k), (f.v, c.v), (f.pos, c.pos), (f.bias, c.bias))))
+            layers.append(LayerCache.pack(heads))
+    return Cache(layers, full.next_pos, full.last_logits)

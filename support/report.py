@@ -263,8 +263,9 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0]):
 
 
 def main(argv=None):
-    """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--no-diff]
-    [--versus METHOD] [--plot]`: the table of a finished run again, for a subset of its rows; --versus
+    """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--protocol P]
+    [--no-diff] [--versus METHOD] [--plot]`: the table of a finished run again, for a subset of its
+    rows (one protocol: the run's first unless named); --versus
     reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD;
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
@@ -275,6 +276,7 @@ def main(argv=None):
     ap.add_argument("summary")
     ap.add_argument("--methods", default=None)
     ap.add_argument("--budgets", default=None)
+    ap.add_argument("--protocol", default=None, help="the protocol whose rows to show (default: the run's first)")
     ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
     ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
     ap.add_argument("--plot", action="store_true", help="redraw budget_vs_score.png beside the summary (matplotlib)")
@@ -286,14 +288,18 @@ def main(argv=None):
     cfg = d["config"]
     names = a.methods.split(",") if a.methods else cfg["methods"]
     budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else cfg["budgets"]
-    rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
+    proto = a.protocol or cfg.get("protocols", ["prompt"])[0]
+    if proto not in cfg.get("protocols", ["prompt"]):
+        sys.exit(f"error: --protocol {proto!r}: the run has {', '.join(cfg.get('protocols', ['prompt']))}")
+    mine = lambda r: r.get("protocol", "prompt") == proto
+    rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets and mine(r)]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
     if a.versus:
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
             sys.exit(f"error: --versus needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
-        samples = [json.loads(line) for f in files for line in f.read_text().splitlines() if line.strip()]
+        samples = [r for f in files for line in f.read_text().splitlines() if line.strip() and mine(r := json.loads(line))]
         if a.versus not in {r["method"] for r in samples}:
             sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
         print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))

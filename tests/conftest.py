@@ -51,3 +51,22 @@ def embedded():
         if os.environ.get("CI") or not str(e).startswith("could not download"):
             raise
         pytest.skip(f"embedded model not converted yet and the package registry is unreachable: {e}")
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    """A random LLaMA in HF layout with a byte-level tokenizer (any text encodes)."""
+    import model
+    from tokenizers import Tokenizer, decoders, pre_tokenizers
+    from tokenizers.models import BPE
+    d = tmp_path_factory.mktemp("tiny")
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(d / "tokenizer.json"))
+    torch.manual_seed(0)
+    cfg = model.Config(vocab_size=len(alphabet), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
+                       hidden_dim=48, max_seq_len=1024, tie_embeddings=False, eos_ids=(300,))
+    model.save(model.Llama(cfg), d)
+    return d

@@ -15,24 +15,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory):
-    """A random LLaMA in HF layout with a byte-level tokenizer (any text encodes)."""
-    from tokenizers import Tokenizer, decoders, pre_tokenizers
-    from tokenizers.models import BPE
-    d = tmp_path_factory.mktemp("tiny")
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    tok = Tokenizer(BPE({c: i for i, c in enumerate(sorted(alphabet))}, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.save(str(d / "tokenizer.json"))
-    torch.manual_seed(0)
-    cfg = M.Config(vocab_size=len(alphabet), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                   hidden_dim=48, max_seq_len=1024, tie_embeddings=False, eos_ids=(300,))
-    M.save(M.Llama(cfg), d)
-    return d
-
-
-@pytest.fixture(scope="module")
 def policy_file(tmp_path_factory):
     """A heterogeneous 2-layer PolyKV policy at B = 24 (the runner rescales it to 48)."""
     import polykv as P
@@ -194,6 +176,8 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
     (["--tasks", "nope"], "error: unknown task 'nope'; choose from niah_single_1"),
     (["--model", "/nonexistent/dir"], "error: model folder '/nonexistent/dir' does not exist"),
     (["--device", "cuda"], "error: --device cuda: no CUDA device is available here"),
+    (["--protocol", "prompt,later"], "error: unknown protocol 'later'; choose from prompt, context, agnostic"),
+    (["--memory", "budget", "--protocol", "context"], "error: --memory budget runs the prompt protocol only"),
 ])
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)

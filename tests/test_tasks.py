@@ -15,7 +15,7 @@ import pytest
 
 import evaluate
 import model
-from support import checkpoint, longbench, metrics, tasks
+from support import checkpoint, longbench, metrics, protocols, tasks
 
 
 def _byte_tokenizer(path, bos=False):
@@ -347,6 +347,12 @@ def test_load_longbench(tmp_path, tok):
     assert out[2].all_classes == ["Reason", "Manner"] and out[2].prompt.endswith("examples\nWhat is X?")
     assert [s.chat_template for s in out] == [True, True, False, False]
     assert [s.stop_at_newline for s in out] == [False, False, False, True]
+    # the protocols' split: the template's text around {context}; kept whole by the middle truncation
+    for s, ctx in ((out[0], short["context"]), (out[2], "examples")):
+        assert s.prefix + ctx + s.question == s.prompt and "Who?" in out[0].question
+    for s in out[:3]:
+        assert protocols.split(tok, tok.encode(s.prompt), s) == (len(tok.encode(s.prefix)),
+                                                               len(tok.encode(s.question, add_special_tokens=False)))
 
 
 @pytest.mark.parametrize("bad, message", [
@@ -381,6 +387,8 @@ def test_longbench_chat_template_and_samsum_stop(tmp_path):
     hot, trec, sam = longbench.load_longbench(data, chat_tok, max_length=400)
     raw = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context="Ann met Bob.", input="Who?")
     assert hot.templated and hot.prompt == "<s><|user|>\n" + raw + "<|assistant|>\n"
+    assert hot.prefix.startswith("<s><|user|>\n") and hot.question.endswith("Who?\nAnswer:<|assistant|>\n")
+    assert hot.prefix + "Ann met Bob." + hot.question == hot.prompt
     ids = chat_tok.encode(hot.prompt, add_special_tokens=False)
     assert ids.count(btok.bos_id) == 1 and ids[0] == btok.bos_id and hot.n_tokens == len(ids)
     assert not trec.templated and not sam.templated

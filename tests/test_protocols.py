@@ -1,0 +1,153 @@
+"""The protocols (support/protocols.py): what is compressed, charged and seen, on a tiny random
+LLaMA in fp64, against naive recomputations and exact invariants."""
+import functools
+import json
+
+import pytest
+import torch
+
+import evaluate as E
+import gracekv as GK
+import model as M
+import polykv as P
+from conftest import tiny as tiny_llama
+from support import protocols as PR
+
+tiny = functools.partial(tiny_llama, L=2)
+A, B_, T = 5, 50, 60                 # the context is keys 5..49: prefix 5 tokens, question 10
+
+
+def tokens(seed=0, n=T):
+    return torch.randint(1, 50, (1, n), generator=torch.Generator().manual_seed(seed))
+
+
+def by_head(lc, G):
+    """[(sorted positions, {position: (k, v, bias)})] per KV head of a dense or ragged layer."""
+    lc = lc.dense(G)
+    out = []
+    for g in range(G):
+        real = lc.pos[0, g] >= 0
+        pos = lc.pos[0, g, real]
+        out.append((sorted(pos.tolist()), {int(p): (lc.k[0, g, real][i], lc.v[0, g, real][i], lc.bias[0, g, real][i])
+                                           for i, p in enumerate(pos)}))
+    return out
+
+
+def test_cut_sees_the_question_and_slices_every_key_statistic():
+    """The cut's `window` and `colsum` statistics equal the naive full-prompt attention (every
+    query of the whole prompt, question included, softmax over all its keys) summed over the
+    last w queries / all queries and read at the context's keys only; its cache holds exactly
+    those keys at their positions."""
+    m, x = tiny(), tokens()
+    pol = P.Policy.uniform("snapkv", 8, 2, settings=P.RuleSettings(window=4))
+    needs = P.union([pol.needs(m), P.Policy.uniform("h2o", 8, 2).needs(m)], 2)
+    full, obs = P.observe(m, x, needs)
+    part, pobs = PR.cut(full, obs, needs, A, B_)
+    qs = {}
+    M.prefill(m, x, M.Hooks(post_kernel=lambda l, q, qp, lc, o: qs.__setitem__(l, (q, lc.k))))
+    for l in range(2):
+        q, k = qs[l]
+        k = k.repeat_interleave(2, 1)                                         # (1, H, T, D)
+        lg = (q @ k.transpose(-1, -2)) / k.shape[-1] ** 0.5
+        lg = lg.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+        a = torch.softmax(lg, -1)                                            # (1, H, T, T) naive
+        torch.testing.assert_close(pobs.stats[l]["window"], a[:, :, -4:, A:B_].sum(2), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(pobs.stats[l]["colsum"], a[:, :, :, A:B_].sum(2), rtol=1e-10, atol=1e-12)
+        assert part.layers[l].pos[0, 0].tolist() == list(range(A, B_))
+        assert torch.equal(part.layers[l].k, full.layers[l].k[:, :, A:B_])
+    assert part.next_pos == T and torch.equal(part.last_logits, full.last_logits)
+
+
+@pytest.mark.parametrize("name", ["full", "snapkv", "tova", "h2o", "pyramidkv", "adakv", "gracekv"])
+def test_context_keeps_prefix_and_question_exact_and_free(name):
+    """Under `context` every head holds the prefix and the question exactly (the FullKV entries)
+    around at most B compressed context entries per head on average (exactly B for a uniform
+    rule; L·G·B in all for every method), and FullKV's join is the FullKV cache itself."""
+    m, x = tiny(), tokens()
+    L, G, budget = 2, 2, 12
+    meth = E.method(name, budget, L, P.RuleSettings(window=4)) if name != "gracekv" else \
+        GK.GraceKV(budget, GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
+                                       seeds=3, evidence=4))
+    needs = P.union([meth.needs(m)], L)
+    full, obs = P.observe(m, x, needs)
+    part, pobs = PR.cut(full, obs, needs, A, B_)
+    comp = meth.compress(m, part, pobs)
+    cache = PR.join(full, comp, A, B_)
+    free = A + T - B_
+    want = L * G * (B_ - A) if name == "full" else L * G * budget
+    assert comp.entries() == want if name in ("full", "snapkv", "tova", "h2o", "adakv") else comp.entries() <= want
+    assert cache.entries() == comp.entries() + L * G * free
+    for l in range(L):
+        exact = by_head(full.layers[l], G)
+        for g, (pos, ent) in enumerate(by_head(cache.layers[l], G)):
+            kept = [p for p in pos if A <= p < B_]
+            assert pos == list(range(A)) + kept + list(range(B_, T))        # sorted, prefix and question whole
+            for p in list(range(A)) + list(range(B_, T)):
+                assert all(torch.equal(a, b) for a, b in zip(ent[p], exact[g][1][p]))
+    if name == "full":
+        for a, b in zip(cache.layers, full.layers):
+            assert all(torch.equal(getattr(a, f), getattr(b, f)) for f in ("k", "v", "pos", "bias"))
+
+
+def test_gracekv_cut_keeps_each_strided_query_at_its_token():
+    """The cut of GraceKV's flow: strided queries (stride 4, every 4th token from 0) cut at a
+    context start that is not a multiple of 4 sit at token i·4 + phase of the cut, as the same
+    queries observed with stride 1 say; x is the first hop read at the context's keys."""
+    m, x = tiny(), tokens()
+    flows = {}
+    for stride in (4, 1):
+        needs = P.Needs(extra=(("flow", GK.ValueFlow(4, 0, (0, 1), stride)),))
+        full, obs = P.observe(m, x, needs)
+        flows[stride] = [needs.extra[0][1].cut(v, A, B_) for v in obs.extra["flow"]]
+    for l in range(2):
+        (_, x4, q4, s4, ph4), (_, x1, q1, s1, ph1) = flows[4][l], flows[1][l]
+        assert ph1 == 0 and ph4 == 3 and (A + ph4) % 4 == 0
+        assert torch.equal(s4, s1[:, ph4::4]) and torch.equal(x4, x1) and torch.equal(q4, q1)
+        assert torch.equal(q1, obs.extra["flow"][l][2][:, A:B_]) and q1.shape[1] == B_ - A
+
+
+def test_agnostic_fullkv_equals_the_whole_prompt():
+    """Agnostic: prefill of prefix + context, then the question fed to that cache, gives the
+    whole prompt's FullKV logits and cache (fp64, up to summation order)."""
+    m, x = tiny(), tokens()
+    whole = M.prefill(m, x)
+    part = M.prefill(m, x[:, :B_])
+    M.decode(m, x[:, B_:], part)
+    torch.testing.assert_close(part.last_logits, whole.last_logits, rtol=1e-10, atol=1e-10)
+    for a, b in zip(part.layers, whole.layers):
+        torch.testing.assert_close(a.k, b.k, rtol=1e-10, atol=1e-10)
+        assert torch.equal(a.pos, b.pos)
+
+
+def test_three_protocols_in_one_run(tiny_dir, tmp_path):
+    """evaluate.py --protocol prompt,context,agnostic: every row says its protocol; FullKV is
+    exact in each; the charged fraction is B over what each protocol compresses (the whole
+    prompt, prefix + context, the context); fidelity rows are the same under all three; a
+    rerun does nothing twice."""
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path),
+            "--budget", "24", "--methods", "full,snapkv,tova,gracekv", "--tasks", "niah_single_1",
+            "--length", "400", "--samples", "2", "--fidelity-length", "80", "--fidelity-samples", "1",
+            "--cont-len", "6", "--max-new-tokens", "3", "--protocol", "prompt,context,agnostic"]
+    E.main(args)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert len(rows) == len({r["key"] for r in rows}) == 3 * 4 * 3
+    items = {it.index: it for it in E.build_items(M.load(tiny_dir)[1], E.parse(args), M.load(tiny_dir)[0])
+             if it.task == "niah_single_1"}
+    for r in rows:
+        if r["method"] == "full":
+            assert r["kl"] == 0 and r["dnll"] == 0 and r["kv_fraction"] == 1
+        if r["task"] != "fidelity" and r["method"] == "snapkv":
+            n_pre, n_q = items[r["index"]].split
+            charged = {"prompt": r["n_tokens"], "agnostic": r["n_tokens"] - n_q,
+                       "context": r["n_tokens"] - n_q - n_pre}[r["protocol"]]
+            assert r["kv_fraction"] == pytest.approx(24 / charged, rel=1e-12)
+    fid = {}
+    for r in rows:
+        if r["task"] == "fidelity":
+            fid.setdefault(r["method"], set()).add(json.dumps({k: v for k, v in r.items()
+                                                               if k not in ("key", "protocol", "compress_s", "prefill_s")}))
+    assert all(len(v) == 1 for v in fid.values()) and len(fid) == 4
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert {d["protocol"] for d in summary["rows"]} == {"prompt", "context", "agnostic"}
+    E.main(args)                                                              # resumes: nothing new
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
