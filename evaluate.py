@@ -153,6 +153,7 @@ class Item:
     sample: TK.Sample = None    # RULER / LongBench: answers, metric, max_new_tokens, gold
     target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
     split: tuple = None         # (n_prefix, n_question) tokens (protocols.split); None: no question
+    turns: list = ()            # later questions on the same context: [(tokens (1, q), Sample, gold (1, n))]
 
 
 def compare(ref_lp, lp, target) -> tuple:
@@ -184,6 +185,7 @@ class Row:
     dnll: Optional[float] = None
     top1: Optional[float] = None
     protocol: str = "prompt"    # what is compressed and charged (support/protocols.py)
+    turn: Optional[int] = None  # a multi-question prompt: which question (0: the prompt's own)
     peak_fraction: Optional[float] = None   # most entries while decoding / FullKV's
     alloc_fraction: Optional[float] = None  # the same for allocated slots (padding included)
     pred: Optional[str] = None
@@ -242,7 +244,7 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     """All (method, budget, protocol) results of one item not in done, as JSON rows (`Row`). An
     item without a question (fidelity) is run once, under `prompt`, and its rows stand for every
     protocol: there the three coincide (support/protocols.py)."""
-    asked = {p: [(n, b) for b in budgets for n in names if result_key(n, b, item, p) not in done] for p in protocols}
+    asked = {p: [(n, b) for b in budgets for n in names if not set(keys(n, b, item, p)) <= done] for p in protocols}
     if item.split is not None:
         return [r for p, todo in asked.items() if todo for r in run_protocol(model, tok, methods, item, p, todo)]
     rows = run_protocol(model, tok, methods, item, "prompt", list(dict.fromkeys(nb for v in asked.values() for nb in v)))
@@ -255,7 +257,12 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     compressed and charged (prompt: all; agnostic: all but the question, which the observation
     does not see and which is fed afterwards to every cache, FullKV's included; context: the
     context alone, cut from the whole prompt's prefill and joined back between the exact prefix
-    and question). kv_fraction = compressed entries / (L·G·(b − a))."""
+    and question). kv_fraction = compressed entries / (L·G·(b − a)).
+
+    Multi-question reuse (item.turns): each later question is fed to a fork of what the protocol
+    keeps of the context — the compressed prompt, first question included (prompt: a follow-up
+    turn); the exact prefix and the compressed context (context, agnostic) — and scored like the
+    first, against FullKV given the same tokens."""
     T = item.tokens.shape[1]
     n_pre, n_q = item.split if protocol != "prompt" else (0, 0)
     a, b = (n_pre if protocol == "context" else 0), T - n_q
@@ -268,44 +275,55 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     t_p = time.perf_counter() - t0 - sum(obs.seconds.values())    # extra passes: their methods' cost
     part, part_obs = PR.cut(full, obs, needs, a, b) if protocol == "context" else (full, obs)
 
-    def ask(cache):               # agnostic: the question arrives and is appended, as decoding would
-        if protocol == "agnostic":
-            M.decode(model, item.tokens[:, b:], cache)
+    def ask(cache, q):            # a question arrives: fed to the cache and appended, as decoding would
+        M.decode(model, q, cache)
         return cache
 
-    free = T - (b - a)            # exact entries no method is charged for
-    if item.target is not None:
-        n = item.target.shape[1]
-        stepwise = any(m.evicts_within(b - a, n + free) for m in made.values())
-        ref_lp, (ref_entries, ref_slots) = M.teacher_force(model, ask(full.fork()), item.target, None, stepwise)
+    # the questions: (the cache a method's answer starts from, from its compressed part; tokens
+    # no method is charged for; what is teacher-forced; the sample scored)
+    first = {"prompt": lambda c, comp: c, "context": lambda c, comp: c,
+             "agnostic": lambda c, comp: ask(c, item.tokens[:, b:])}[protocol]
+    base = {"prompt": lambda c, comp: c.fork(), "context": lambda c, comp: PR.join(full, comp, a, b, question=False),
+            "agnostic": lambda c, comp: comp.fork()}[protocol]
+    questions = [(first, T - (b - a), item.target, item.sample)]
+    questions += [(lambda c, comp, q=q: ask(base(c, comp), q), a + q.shape[1], g, smp) for q, smp, g in item.turns]
+    refs = []
+    for make, free, target, _ in questions:
+        ref = None
+        if target is not None:
+            n = target.shape[1]
+            stepwise = any(m.evicts_within(b - a, n + free) for m in made.values())
+            ref = (stepwise, *M.teacher_force(model, make(full.fork(), part), target, None, stepwise))   # FullKV
+        refs.append(ref)
     out = []
     for (name, budget), method in made.items():
         t0 = time.perf_counter()
-        cache = method.compress(model, part, part_obs)
-        kept = cache.entries()
-        if protocol == "context":                    # prefix and question back, exact and free
-            cache = PR.join(full, cache, a, b)
+        comp = method.compress(model, part, part_obs)
+        kept = comp.entries()
+        cache = PR.join(full, comp, a, b) if protocol == "context" else comp   # prefix and question back, exact
         t_c = time.perf_counter() - t0 + own_pass(model, method, obs)
-        cache = ask(cache)
-        r = Row(result_key(name, budget, item, protocol), name, budget, item.task, item.length, item.index, T,
-                kv_fraction=kept / (L * G * (b - a)), compress_s=round(t_c, 4), prefill_s=round(t_p, 4),
-                protocol=protocol)
-        if item.target is not None:
-            lp, (entries, slots) = M.teacher_force(model, cache.fork(), item.target,
-                                                 method.decoder if stepwise else None, stepwise)
-            r.kl, r.dnll, r.top1 = compare(ref_lp, lp, item.target)
-            # memory while decoding, vs FullKV after the same tokens: real entries and allocated
-            # slots (padding included; bytes = slots × 2·D·element size for both)
-            r.peak_fraction, r.alloc_fraction = entries / ref_entries, slots / ref_slots
-        if item.sample is not None:
-            n_new = min(item.sample.max_new_tokens, methods.args.max_new_tokens)
-            # a decoder that cannot evict within the answer would only cost time per step
-            ids = M.greedy(model, cache.fork(), n_new, stop_ids(tok, item.sample),
-                           method.decoder if method.evicts_within(b - a, n_new + free) else None,
-                           answer_done(tok, item.sample))
-            r.pred = tok.decode(ids)
-            r.score = metrics.score(item.sample, r.pred)
-        out.append(r.to_json())
+        for turn, ((make, free, target, sample), ref) in enumerate(zip(questions, refs)):
+            r = Row(result_key(name, budget, item, protocol, turn), name, budget, item.task, item.length, item.index,
+                    T, kv_fraction=kept / (L * G * (b - a)), compress_s=round(t_c, 4), prefill_s=round(t_p, 4),
+                    protocol=protocol, turn=turn if item.turns else None)
+            here = make(cache.fork(), comp)
+            if ref is not None:
+                stepwise, ref_lp, (ref_entries, ref_slots) = ref
+                lp, (entries, slots) = M.teacher_force(model, here.fork(), target,
+                                                     method.decoder if stepwise else None, stepwise)
+                r.kl, r.dnll, r.top1 = compare(ref_lp, lp, target)
+                # memory while decoding, vs FullKV after the same tokens: real entries and allocated
+                # slots (padding included; bytes = slots × 2·D·element size for both)
+                r.peak_fraction, r.alloc_fraction = entries / ref_entries, slots / ref_slots
+            if sample is not None:
+                n_new = min(sample.max_new_tokens, methods.args.max_new_tokens)
+                # a decoder that cannot evict within the answer would only cost time per step
+                ids = M.greedy(model, here, n_new, stop_ids(tok, sample),
+                               method.decoder if method.evicts_within(b - a, n_new + free) else None,
+                               answer_done(tok, sample))
+                r.pred = tok.decode(ids)
+                r.score = metrics.score(sample, r.pred)
+            out.append(r.to_json())
     return out
 
 
@@ -341,9 +359,16 @@ def answer_done(tok, sample):
     return lambda ids: "\n" in tok.decode(ids).lstrip()
 
 
-def result_key(name, budget, item, protocol="prompt") -> str:
-    """name|budget|task|length|index, and |protocol for the protocols other than `prompt`."""
-    return f"{name}|{budget}|{item.task}|{item.length}|{item.index}" + ("" if protocol == "prompt" else f"|{protocol}")
+def result_key(name, budget, item, protocol="prompt", turn=0) -> str:
+    """name|budget|task|length|index, then |protocol for the protocols other than `prompt` and
+    |q{turn} for a later question."""
+    return (f"{name}|{budget}|{item.task}|{item.length}|{item.index}" + ("" if protocol == "prompt" else f"|{protocol}")
+            + (f"|q{turn}" if turn else ""))
+
+
+def keys(name, budget, item, protocol) -> list:
+    """Every row key of (method, budget, protocol) on an item: one per question."""
+    return [result_key(name, budget, item, protocol, t) for t in range(1 + len(item.turns))]
 
 
 # ----------------------------------------------------------------------------- suites
@@ -365,8 +390,9 @@ def build_items(tok, args, model):
                 s = TK.RULER_TASKS[task](tok, length, TK.ruler_seed(args.split, args.seed), i)
                 ids = tok.encode(s.prompt)
                 gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
-                items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None,
-                                  PR.split(tok, ids, s) if cut else None))
+                split = PR.split(tok, ids, s) if cut or s.asks else None
+                items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None, split,
+                                  [(as_t(q), smp, as_t(g)) for q, smp, g in PR.turns(tok, ids, s, split)]))
     if args.data:
         for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
             ids = tok.encode(s.prompt, add_special_tokens=not s.templated)
@@ -510,8 +536,9 @@ def main(argv=None):
     if rank == 0:
         print("config: " + json.dumps(config), flush=True)
     items = build_items(tok, args, m)
-    # equal memory under context / agnostic: every cache also holds the exact prefix and question
-    args.allowance += max([sum(it.split) for it in items if it.split] or [0])
+    # equal memory under context / agnostic / later questions: every cache also holds the exact
+    # prefix and questions
+    args.allowance += max([sum(it.split) + max([q.shape[1] for q, _, _ in it.turns] or [0]) for it in items if it.split] or [0])
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     done = {r["key"] for r in rows}
     barrier(world)                        # every rank has read the files before any appends
@@ -523,8 +550,8 @@ def main(argv=None):
                     methods.get(n, b)
         barrier(world)
     # the items left to do, dealt round-robin to the ranks; each rank appends to its own file
-    todo = [it for it in items if not {result_key(n, b, it, p) for n in args.methods for b in args.budget
-                                        for p in args.protocol} <= done]
+    todo = [it for it in items if not {k for n in args.methods for b in args.budget for p in args.protocol
+                                        for k in keys(n, b, it, p)} <= done]
     mine = {id(it) for it in todo[rank::world]}
     jsonl = out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl")
     t0, n_run = time.time(), 0

@@ -19,6 +19,7 @@ token there, so it ends the run and goes to the context [choice: the context is 
 protocol compresses; the prefix and question keep only tokens that are theirs alone]."""
 from __future__ import annotations
 
+from dataclasses import replace
 from os.path import commonprefix      # the longest common start of lists, too
 
 import torch
@@ -66,24 +67,53 @@ def cut(full, obs, needs, a: int, b: int):
     return Cache(layers, full.next_pos, full.last_logits), type(obs)(stats, extra, dict(obs.seconds))
 
 
-def join(full, comp, a: int, b: int):
+def join(full, comp, a: int, b: int, question: bool = True):
     """The prompt's cache under the `context` protocol: per layer and KV head the prefix (keys
     < a) and the question (keys >= b) exact from the FullKV cache `full`, around the compressed
     context `comp` (dense or ragged, as the method left it; a ragged one stays ragged). A decode
     rule's state (H2O's acc) starts at 0 on the free entries; it is read only when a decoder
-    evicts, which equal memory rules out (evaluate.py)."""
+    evicts, which equal memory rules out (evaluate.py). question=False: without the question,
+    ending at b (what a later question is fed after)."""
     Cache, LayerCache = type(full), type(full.layers[0])
+    end = full.layers[0].size if question else b
     layers = []
     for f, c in zip(full.layers, comp.layers):
         if c.head is None:                                                    # dense (B, G, S)
-            around = lambda x, fx: torch.cat((fx[:, :, :a], x, fx[:, :, b:]), 2)
+            around = lambda x, fx: torch.cat((fx[:, :, :a], x, fx[:, :, b:end]), 2)
             acc = None if c.acc is None else around(c.acc, torch.zeros_like(f.bias, dtype=c.acc.dtype))
             layers.append(LayerCache(around(c.k, f.k), around(c.v, f.v), around(c.pos, f.pos), around(c.bias, f.bias), acc))
         else:                                                                 # ragged, batch 1
             heads = []
             for g in range(f.k.shape[1]):
                 mine = c.head[0, 0] == g
-                heads.append(tuple(torch.cat((fx[0, g, :a], cx[0, 0, mine], fx[0, g, b:]))
+                heads.append(tuple(torch.cat((fx[0, g, :a], cx[0, 0, mine], fx[0, g, b:end]))
                                    for fx, cx in ((f.k, c.k), (f.v, c.v), (f.pos, c.pos), (f.bias, c.bias))))
             layers.append(LayerCache.pack(heads))
-    return Cache(layers, full.next_pos, full.last_logits)
+    return Cache(layers, full.next_pos, full.last_logits) if question else Cache(layers, b, None)
+
+
+def head(cache, b: int):
+    """The first b keys of a dense cache (views), ending there: what a later question follows."""
+    LayerCache = type(cache.layers[0])
+    return type(cache)([LayerCache(lc.k[:, :, :b], lc.v[:, :, :b], lc.pos[:, :, :b], lc.bias[:, :, :b])
+                        for lc in cache.layers], b, None)
+
+
+# ----------------------------------------------------------------------------- later questions
+
+def turns(tok, ids: list, sample, at) -> list:
+    """A multi-question sample's later questions (tasks.Sample.asks), each as (its tokens as
+    they follow the context, its own Sample, its gold answer's tokens): question i's prompt is
+    prefix + context + question i, split like the first; its prefix and context tokens must be
+    the first prompt's (else the context would not be the same to reuse); at: the first's split."""
+    out = []
+    head = sample.prompt[:len(sample.prompt) - len(sample.question)]
+    for ask in sample.asks:
+        s = replace(sample, prompt=head + ask.question, question=ask.question, answers=list(ask.answers),
+                    gold=ask.gold, asks=())
+        own = tok.encode(s.prompt)
+        n_q = split(tok, own, s)[1]
+        if own[:len(own) - n_q] != ids[:len(ids) - at[1]]:
+            raise UsageError(f"{sample.task} #{sample.index}: a later question changes the context's tokens")
+        out.append((own[len(own) - n_q:], s, tok.encode(s.prompt + s.gold)[len(own):]))
+    return out

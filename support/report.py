@@ -21,11 +21,20 @@ N_BOOT, SEED = 2000, 0
 
 def values(rows: list) -> dict:
     """(method, budget, task, metric) -> {prompt: value}; RULER rows also feed the `answer`
-    task (answer fidelity) and every row the `memory` and `time` tasks."""
-    acc = {}
+    task (answer fidelity) and every row the `memory` and `time` tasks. A multi-question prompt's
+    later questions (rows with turn >= 1) go to "TASK later" and "answer later", one value per
+    question, and the prompt's first minus the mean of its later ones to "TASK spread" and
+    "answer spread" (multi-question reuse)."""
+    acc, later = {}, {}
     for r in rows:
-        prompt = (r["task"], r["length"], r["index"])
-        put = lambda task, metric, v: acc.setdefault((r["method"], r["budget"], task, metric), {}).__setitem__(prompt, v)
+        turn = r.get("turn", 0)
+        prompt = (r["task"], r["length"], r["index"]) + ((turn,) if turn else ())
+        tail = " later" if turn else ""
+
+        def put(task, metric, v):
+            acc.setdefault((r["method"], r["budget"], task + tail, metric), {})[prompt] = v
+            if turn:
+                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt[:3], []).append(v)
         if r["task"] == "fidelity":
             for m in ("kl", "dnll", "top1"):
                 put("fidelity", m, r[m])
@@ -35,11 +44,16 @@ def values(rows: list) -> dict:
             if "kl" in r:
                 for m in ("kl", "dnll"):
                     put("answer", m, r[m])
+        if turn:
+            continue
         for m in ("kv_fraction", "peak_fraction", "alloc_fraction"):
             if m in r:
                 put("memory", m, r[m])
         if "compress_s" in r:
             put("time", "compress_s", r["compress_s"])
+    for (m, b, task, metric), per in later.items():
+        first = acc.get((m, b, task, metric), {})
+        acc[(m, b, task + " spread", metric)] = {p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first}
     return acc
 
 
@@ -71,7 +85,8 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
         boot = {m: x[idx].mean(1) for m, x in X.items()}                                  # (N_BOOT,)
         sign = -1 if metric in LOWER_IS_BETTER else 1
         base = [m for m in X if m in baselines]
-        best = max(base, key=lambda m: sign * X[m].mean()) if base and task not in ("memory", "time") else None
+        ranked = base and task not in ("memory", "time") and not task.endswith(" spread")
+        best = max(base, key=lambda m: sign * X[m].mean()) if ranked else None
         for m, x in X.items():
             lo, hi = interval(boot[m])
             row = {"method": m, "budget": budget, "task": task, "metric": metric,
@@ -121,8 +136,9 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
     (prompt entries, peak entries while decoding, allocated slots, each vs FullKV), compression
     time; then the paired differences to the best uniform rule and PolyKV's gap recovered."""
     get = {(d["method"], d["budget"], d["task"], d["metric"]): d for d in summary}
-    cols = [(t, "string_match_all", t, "{:.1f}", 1) for t in ruler_tasks]
-    cols += [("answer", "dnll", "ans ΔNLL", "{:.3f}", 1), ("fidelity", "kl", "KL", "{:.4f}", 1),
+    cols = [(u, "string_match_all", u, "{:.1f}", 1) for t in ruler_tasks for u in (t, t + " later", t + " spread")]
+    cols += [(t, "dnll", t.replace("answer", "ans ΔNLL"), "{:.3f}", 1) for t in ("answer", "answer later", "answer spread")]
+    cols += [("fidelity", "kl", "KL", "{:.4f}", 1),
              ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1), ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
              ("memory", "kv_fraction", "prompt KV %", "{:.1f}", 100),
              ("memory", "peak_fraction", "peak KV %", "{:.1f}", 100),

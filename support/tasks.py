@@ -32,6 +32,7 @@ import random
 import re
 import string
 import uuid
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -56,6 +57,15 @@ class Sample:
                                # special tokens (encode with add_special_tokens=False)
     prefix: str = ""           # prompt = prefix + context + question (support/protocols.py):
     question: str = ""         # the instruction before the context and the query after it
+    asks: tuple = ()           # later questions on the same context (Ask): multi-question reuse
+
+
+@dataclass(frozen=True)
+class Ask:
+    """A later question on a sample's context: prefix + context + question is its own prompt."""
+    question: str
+    answers: list
+    gold: str
 
 
 # ----------------------------------------------------------------------------- text source
@@ -233,6 +243,10 @@ NIAH = {
     "niah_multikey_3": dict(haystack="needle", key="uuids", value="uuids", k=1, v=1, q=1),
     "niah_multivalue": dict(haystack="essay", key="words", value="numbers", k=1, v=4, q=1),
     "niah_multiquery": dict(haystack="essay", key="words", value="numbers", k=4, v=1, q=4),
+    # multi-question reuse (ours, SCBench's setting): the keys asked one at a time, each a question
+    # of its own on the same context; the prompt holds the first, Sample.asks the others
+    "niah_multiquery_turns": dict(haystack="essay", key="words", value="numbers", k=4, v=1, q=4, turns=True),
+    "niah_multineedle_turns": dict(haystack="noise", key="words", value="numbers", k=6, v=1, q=4, turns=True),
 }
 
 
@@ -288,10 +302,12 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     asked = rng.sample(range(n_keys), c["q"])
     answers = [v for i in asked for v in values[i]]
     query = keys[asked[0]]
-    if c["q"] > 1:                                   # "a, b, c, and d"
+    if c["q"] > 1 and not c.get("turns"):            # "a, b, c, and d"
         query = ", ".join(keys[i] for i in asked[:-1]) + ", and " + keys[asked[-1]]
+    if c.get("turns"):                               # one key per question: its own value
+        answers = values[asked[0]]
     template, type_v = NIAH_TEMPLATE, c["value"]
-    if c["q"] * c["v"] == 1:                         # niah.py: singular wording for one answer
+    if c["v"] == 1 and (c["q"] == 1 or c.get("turns")):   # niah.py: singular wording for one answer
         for a, b in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
             template = template.replace(a, b)
         type_v = type_v[:-1]
@@ -313,7 +329,16 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
             context = "\n".join(_insert(lines, needles, fractions))
         prompt = template.format(type_needle_v=type_v, context=context, query=query)
         return prompt, answers, " " + ", ".join(answers), around(template, type_needle_v=type_v, query=query)
-    return _sample(task, index, tok, target, build, "string_match_all", 128)
+    if not c.get("turns"):
+        return _sample(task, index, tok, target, build, "string_match_all", 128)
+    later = [Ask(around(template, type_needle_v=type_v, query=keys[i])[1], values[i], " " + values[i][0])
+             for i in asked[1:]]
+    for short in range(0, target, 4):                # fitted so that every question's prompt fits too
+        s = _sample(task, index, tok, target - short, build, "string_match_all", 128)
+        head = s.prompt[:len(s.prompt) - len(s.question)]
+        if all(len(tok.encode(head + a.question)) <= target for a in later):
+            return dataclasses.replace(s, asks=tuple(later))
+    raise UsageError(f"{task}: {target} tokens is too short for its questions")
 
 
 # ----------------------------------------------------------------------------- RULER: vt, fwe, cwe

@@ -151,3 +151,36 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     assert {d["protocol"] for d in summary["rows"]} == {"prompt", "context", "agnostic"}
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
+    """niah_multineedle_turns: 4 questions on one context, each a row (turn 0..3) under every
+    protocol; FullKV exact on each; a later question's reference is FullKV given the same tokens
+    (prefix + context + that question under context / agnostic): its answer ΔNLL against a
+    fresh full prefill of that prompt is 0 up to summation order; summaries carry later / spread."""
+    from support import tasks as TK
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path),
+            "--budget", "32", "--methods", "full,snapkv", "--tasks", "niah_multineedle_turns",
+            "--length", "900", "--samples", "1", "--fidelity-samples", "0", "--max-new-tokens", "2",
+            "--protocol", "prompt,context,agnostic"]
+    E.main(args)
+    rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted((r["method"], r["protocol"], r["turn"]) for r in rows) == sorted(
+        (m, p, t) for m in ("full", "snapkv") for p in ("prompt", "context", "agnostic") for t in range(4))
+    assert all(r["kl"] == 0 and r["dnll"] == 0 for r in rows if r["method"] == "full")
+    m, tok = M.load(tiny_dir, dtype=torch.float64)
+    it = [i for i in E.build_items(tok, E.parse(args), m) if i.task == "niah_multineedle_turns"][0]
+    assert len(it.turns) == 3 and all(TK.NIAH["niah_multineedle_turns"]["turns"] for _ in it.turns)
+    q, smp, gold = it.turns[1]
+    whole = torch.cat((it.tokens[:, :it.tokens.shape[1] - it.split[1]], q), 1)
+    assert whole[0].tolist() == tok.encode(smp.prompt)                      # the question's own prompt
+    fresh, _ = M.teacher_force(m, M.prefill(m, whole), gold)
+    head = PR.head(M.prefill(m, it.tokens), whole.shape[1] - q.shape[1])
+    M.decode(m, q, head)
+    fed, _ = M.teacher_force(m, head, gold)
+    torch.testing.assert_close(fed, fresh, rtol=1e-9, atol=1e-9)
+    summary = json.loads((tmp_path / "summary.json").read_text())["rows"]
+    tasks = {d["task"] for d in summary}
+    assert {"niah_multineedle_turns later", "niah_multineedle_turns spread", "answer later", "answer spread"} <= tasks
+    E.main(args)                                                              # resumes: nothing new
+    assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)

@@ -52,14 +52,33 @@ TARGET = 4000
 # pydoc text (a long identifier); one uuid needle line (~125); fwe: N -> N+1 can add a coded
 # word (7) to a few ranks at once; cwe: one listed entry "123. identifier" (~20).
 UNIT = {"niah_single_1": 8, "vt": 8, "niah_multivalue": 40, "niah_multiquery": 40,
-        "niah_multikey_3": 130, "fwe": 30, "cwe": 25}
+        "niah_multikey_3": 130, "fwe": 30, "cwe": 25,
+        # the turns tasks are fitted 4 tokens shorter per try until every question's prompt fits
+        "niah_multiquery_turns": 60, "niah_multineedle_turns": 30}
 
 
 # ----------------------------------------------------------------------------- RULER generators
 
 def test_registry_names():
     assert set(tasks.RULER_TASKS) == {"niah_single_1", "niah_multikey_3", "niah_multivalue",
-                                      "niah_multiquery", "vt", "fwe", "cwe"}
+                                      "niah_multiquery", "vt", "fwe", "cwe",
+                                      "niah_multiquery_turns", "niah_multineedle_turns"}
+
+
+@pytest.mark.parametrize("name", ["niah_multiquery_turns", "niah_multineedle_turns"])
+def test_turns_ask_each_key_alone(tok, samples, name):
+    """Multi-question reuse: 4 questions, one key each (singular wording, one 7-digit answer),
+    every answer's needle in the shared context, every question's prompt within the target."""
+    s = samples[name]
+    head = s.prompt[:len(s.prompt) - len(s.question)]
+    assert len(s.asks) == 3 and len(s.answers) == 1
+    keys = set()
+    for q, answers in [(s.question, s.answers)] + [(a.question, a.answers) for a in s.asks]:
+        key = re.search(r"number for (\S+) mentioned", q).group(1)
+        keys.add(key)
+        assert len(answers) == 1 and f" for {key} is: {answers[0]}." in head and answers[0] not in q
+        assert len(tok.encode(head + q)) <= TARGET
+    assert len(keys) == 4
 
 
 @pytest.mark.parametrize("name", sorted(tasks.RULER_TASKS))
@@ -91,7 +110,8 @@ def test_niah_needles_and_question(samples, name):
     s, c = samples[name], tasks.NIAH[name]
     question = s.prompt[s.prompt.rindex("\nWhat "):]
     body = s.prompt[:s.prompt.rindex("\nWhat ")]
-    assert len(s.answers) == c["v"] * c["q"] and len(set(s.answers)) == len(s.answers)
+    per_question = c["v"] if c.get("turns") else c["v"] * c["q"]     # turns: one key per question
+    assert len(s.answers) == per_question and len(set(s.answers)) == len(s.answers)
     for value in s.answers:
         found = re.findall(rf"One of the special magic {c['value']} for (\S+) is: {re.escape(value)}\.", body)
         assert len(found) == 1 and found[0] in question
