@@ -260,9 +260,9 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     and question). kv_fraction = compressed entries / (L·G·(b − a)).
 
     Multi-question reuse (item.turns): each later question is fed to a fork of what the protocol
-    keeps of the context — the compressed prompt, first question included (prompt: a follow-up
-    turn); the exact prefix and the compressed context (context, agnostic) — and scored like the
-    first, against FullKV given the same tokens."""
+    keeps of the context — the compressed prompt, first question and its gold answer included
+    (prompt: a follow-up turn); the exact prefix and the compressed context (context, agnostic) —
+    and scored like the first, against FullKV given the same tokens."""
     T = item.tokens.shape[1]
     n_pre, n_q = item.split if protocol != "prompt" else (0, 0)
     a, b = (n_pre if protocol == "context" else 0), T - n_q
@@ -286,7 +286,10 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     base = {"prompt": lambda c, comp: c.fork(), "context": lambda c, comp: PR.join(full, comp, a, b, question=False),
             "agnostic": lambda c, comp: comp.fork()}[protocol]
     questions = [(first, T - (b - a), item.target, item.sample)]
-    questions += [(lambda c, comp, q=q: ask(base(c, comp), q), a + q.shape[1], g, smp) for q, smp, g in item.turns]
+    # prompt: a later question follows the first one's gold answer (the conversation so far)
+    prior = item.target if protocol == "prompt" and item.target is not None else item.tokens[:, :0]
+    questions += [(lambda c, comp, q=torch.cat((prior, q), 1): ask(base(c, comp), q), a + prior.shape[1] + q.shape[1], g, smp)
+                  for q, smp, g in item.turns]
     refs = []
     for make, free, target, _ in questions:
         ref = None
