@@ -541,7 +541,9 @@ def main(argv=None):
     items = build_items(tok, args, m)
     # equal memory under context / agnostic / later questions: every cache also holds the exact
     # prefix and questions
-    args.allowance += max([sum(it.split) + max([q.shape[1] for q, _, _ in it.turns] or [0]) for it in items if it.split] or [0])
+    gold = lambda it: it.target.shape[1] if it.target is not None and it.turns else 0   # prompt: before a later question
+    args.allowance += max([sum(it.split) + gold(it) + max([q.shape[1] for q, _, _ in it.turns] or [0])
+                           for it in items if it.split] or [0])
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     done = {r["key"] for r in rows}
     barrier(world)                        # every rank has read the files before any appends
@@ -562,7 +564,8 @@ def main(argv=None):
         for i, item in enumerate(items):
             if id(item) not in mine:
                 continue
-            new = run_item(m, tok, methods, args.methods, args.budget, item, done, args.protocol)
+            new = [r for r in run_item(m, tok, methods, args.methods, args.budget, item, done, args.protocol)
+                   if r["key"] not in done]           # a partly finished item: its missing rows only
             for r in new:
                 if item.sample is not None:
                     r["metric"] = item.sample.metric

@@ -103,8 +103,11 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
             chat = dataset not in NO_CHAT
             templated = chat and getattr(tok, "has_chat_template", False)
             if templated:             # the turn's header joins the prefix, the generation prompt the question
-                head, _, tail = tok.chat(prompt).partition(prompt)
-                prompt, prefix, question = head + prompt + tail, head + prefix, question + tail
+                head, found, tail = tok.chat(prompt).partition(prompt)
+                if found:
+                    prompt, prefix, question = head + prompt + tail, head + prefix, question + tail
+                else:                 # the template rewrote the text (e.g. trimmed it): no split
+                    prompt, prefix, question = head, "", ""
                 ids = tok.encode(prompt, add_special_tokens=False)
             samples.append(Sample(dataset, i, prompt, [str(a) for a in row["answers"]],
                                   LONGBENCH_METRIC[dataset], LONGBENCH_MAXLEN[dataset],

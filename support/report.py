@@ -22,19 +22,19 @@ N_BOOT, SEED = 2000, 0
 def values(rows: list) -> dict:
     """(method, budget, task, metric) -> {prompt: value}; RULER rows also feed the `answer`
     task (answer fidelity) and every row the `memory` and `time` tasks. A multi-question prompt's
-    later questions (rows with turn >= 1) go to "TASK later" and "answer later", one value per
-    question, and the prompt's first minus the mean of its later ones to "TASK spread" and
-    "answer spread" (multi-question reuse)."""
+    later questions (rows with turn >= 1) go to "TASK later" and "answer later", their mean per
+    prompt (the bootstrap resamples prompts, not questions that share a context), and the
+    prompt's first minus that mean to "TASK spread" and "answer spread" (multi-question reuse)."""
     acc, later = {}, {}
     for r in rows:
         turn = r.get("turn", 0)
-        prompt = (r["task"], r["length"], r["index"]) + ((turn,) if turn else ())
-        tail = " later" if turn else ""
+        prompt = (r["task"], r["length"], r["index"])
 
         def put(task, metric, v):
-            acc.setdefault((r["method"], r["budget"], task + tail, metric), {})[prompt] = v
             if turn:
                 later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt[:3], []).append(v)
+            else:
+                acc.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
         if r["task"] == "fidelity":
             for m in ("kl", "dnll", "top1"):
                 put("fidelity", m, r[m])
@@ -51,8 +51,9 @@ def values(rows: list) -> dict:
                 put("memory", m, r[m])
         if "compress_s" in r:
             put("time", "compress_s", r["compress_s"])
-    for (m, b, task, metric), per in later.items():
+    for (m, b, task, metric), per in later.items():          # one value per prompt: its later questions' mean
         first = acc.get((m, b, task, metric), {})
+        acc[(m, b, task + " later", metric)] = {p: sum(v) / len(v) for p, v in per.items()}
         acc[(m, b, task + " spread", metric)] = {p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first}
     return acc
 

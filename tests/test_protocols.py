@@ -170,7 +170,7 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     assert all(r["kl"] == 0 and r["dnll"] == 0 for r in rows if r["method"] == "full")
     m, tok = M.load(tiny_dir, dtype=torch.float64)
     it = [i for i in E.build_items(tok, E.parse(args), m) if i.task == "niah_multineedle_turns"][0]
-    assert len(it.turns) == 3 and all(TK.NIAH["niah_multineedle_turns"]["turns"] for _ in it.turns)
+    assert len(it.turns) == 3 and TK.NIAH["niah_multineedle_turns"]["turns"]
     q, smp, gold = it.turns[1]
     whole = torch.cat((it.tokens[:, :it.tokens.shape[1] - it.split[1]], q), 1)
     assert whole[0].tolist() == tok.encode(smp.prompt)                      # the question's own prompt
