@@ -576,15 +576,15 @@ def main(argv=None):
             n_run += 1
             eta = (time.time() - t0) / n_run * (len(mine) - n_run)
             print(("" if world == 1 else f"rank {rank} ")
-                  + report.progress([r for r in rows if r.get("protocol", "prompt") == args.protocol[0]], item,
+                  + report.progress([r for r in rows if report.protocol(r) == args.protocol[0]], item,
                                     args.methods, args.budget[0], i, len(items), eta), flush=True)
     barrier(world)
     if rank != 0:
         return
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
-    summary = []              # per protocol (rows written before protocols existed are `prompt`'s)
+    summary = []              # per protocol
     for p in args.protocol:
-        mine = [r for r in rows if r.get("protocol", "prompt") == p]
+        mine = [r for r in rows if report.protocol(r) == p]
         summary += [{**d, "protocol": p} for d in report.summarize(mine, args.methods, args.budget, baselines(),
                                                                     [n for n in args.methods if family(n) == "polykv"])]
     config["wall_s"] = round(time.time() - t_start, 1)

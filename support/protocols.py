@@ -92,13 +92,6 @@ def join(full, comp, a: int, b: int, question: bool = True):
     return Cache(layers, full.next_pos, full.last_logits) if question else Cache(layers, b, None)
 
 
-def head(cache, b: int):
-    """The first b keys of a dense cache (views), ending there: what a later question follows."""
-    LayerCache = type(cache.layers[0])
-    return type(cache)([LayerCache(lc.k[:, :, :b], lc.v[:, :, :b], lc.pos[:, :, :b], lc.bias[:, :, :b])
-                        for lc in cache.layers], b, None)
-
-
 # ----------------------------------------------------------------------------- later questions
 
 def turns(tok, ids: list, sample, at) -> list:

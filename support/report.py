@@ -19,6 +19,11 @@ HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / Lon
 N_BOOT, SEED = 2000, 0
 
 
+def protocol(row: dict) -> str:
+    """A row's protocol; rows written before protocols existed are `prompt`'s."""
+    return row.get("protocol", "prompt")
+
+
 def values(rows: list) -> dict:
     """(method, budget, task, metric) -> {prompt: value}; RULER rows also feed the `answer`
     task (answer fidelity) and every row the `memory` and `time` tasks. A multi-question prompt's
@@ -32,7 +37,7 @@ def values(rows: list) -> dict:
 
         def put(task, metric, v):
             if turn:
-                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt[:3], []).append(v)
+                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt, []).append(v)
             else:
                 acc.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
         if r["task"] == "fidelity":
@@ -305,10 +310,11 @@ def main(argv=None):
     cfg = d["config"]
     names = a.methods.split(",") if a.methods else cfg["methods"]
     budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else cfg["budgets"]
-    proto = a.protocol or cfg.get("protocols", ["prompt"])[0]
-    if proto not in cfg.get("protocols", ["prompt"]):
-        sys.exit(f"error: --protocol {proto!r}: the run has {', '.join(cfg.get('protocols', ['prompt']))}")
-    mine = lambda r: r.get("protocol", "prompt") == proto
+    run = cfg.get("protocols", ["prompt"])
+    proto = a.protocol or run[0]
+    if proto not in run:
+        sys.exit(f"error: --protocol {proto!r}: the run has {', '.join(run)}")
+    mine = lambda r: protocol(r) == proto
     rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets and mine(r)]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)

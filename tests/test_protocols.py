@@ -175,9 +175,11 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     whole = torch.cat((it.tokens[:, :it.tokens.shape[1] - it.split[1]], q), 1)
     assert whole[0].tolist() == tok.encode(smp.prompt)                      # the question's own prompt
     fresh, _ = M.teacher_force(m, M.prefill(m, whole), gold)
-    head = PR.head(M.prefill(m, it.tokens), whole.shape[1] - q.shape[1])
-    M.decode(m, q, head)
-    fed, _ = M.teacher_force(m, head, gold)
+    (n_pre, n_q), T = it.split, it.tokens.shape[1]        # evaluate's FullKV base for a later question
+    full, obs = P.observe(m, it.tokens, P.Needs())
+    base = PR.join(full, PR.cut(full, obs, P.Needs(), n_pre, T - n_q)[0], n_pre, T - n_q, question=False)
+    M.decode(m, q, base)
+    fed, _ = M.teacher_force(m, base, gold)
     torch.testing.assert_close(fed, fresh, rtol=1e-9, atol=1e-9)
     summary = json.loads((tmp_path / "summary.json").read_text())["rows"]
     tasks = {d["task"] for d in summary}
