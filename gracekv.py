@@ -80,7 +80,7 @@ class Settings:
     floor_frac: float = 0.5   # floor: per unit min(|seeds|, ⌊φ·(B − r)⌋) exact tokens [choice: dev]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
-    prefetch: int = 512       # heap entries whose nodes are evaluated together (speed only)
+    prefetch: int = 2048      # heap entries whose nodes are evaluated together (speed only)
     # the formulas a variant may swap (VARIANTS), each picked once here, never branched on:
     key: Callable = _later("key_unrotated")              # a node's key k̃ (eq. 6)
     multiplicity: Callable = _later("multiplicity_hbar")  # its log m (eq. 7)
@@ -118,15 +118,17 @@ class ValueFlow:
     attention) and, for the dense variant, x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i] (query rows come in
     descending chunks, so every hop takes the same pass); the queries of the `sampled` layers,
     for the hop-wise propagation; every stride-th query (positions 0, stride, ...), from which
-    `context` draws the evidence probes. Value per layer: (probes (H, r, D), x (hops+1, G, T),
-    queries (H, T, D) or None, strided queries (H, ⌈T/stride⌉, D) or None, their phase 0)."""
+    `context` draws the evidence probes; the sampled layers' row log-normalisers lse_i, read off
+    the pass's A at the row's largest entry j*: lse_i = q_i·k_j*/√D − log A[i, j*] (no
+    underflow: A[i, j*] ≥ 1/(i+1)). Value per layer: (probes (H, r, D), x (hops+1, G, T), queries
+    (H, T, D), strided queries (H, ⌈T/stride⌉, D), their phase 0, lse (H, T); None if not kept)."""
     window: int = 32
     hops: int = 0
     sampled: tuple = ()
     stride: int = 0           # 0: no evidence probes
 
-    def lowest(self, T: int) -> int:            # dense hops read every row; the first hop the last r
-        return 0 if self.hops else T - min(self.window, T)
+    def lowest(self, T: int, layer: int) -> int:   # dense hops, sampled layers: every row; else the last r
+        return 0 if self.hops or layer in self.sampled else T - min(self.window, T)
 
     def begin(self, q, lc, layer: int) -> dict:
         T, acc = q.shape[2], torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -135,7 +137,8 @@ class ValueFlow:
         return {"x": q.new_zeros(self.hops + 1, lc.k.shape[1], T, dtype=acc), "seed": seed,
                 "probes": q[0, :, T - r:].contiguous().clone(),
                 "strided": q[0, :, ::self.stride].clone() if self.stride else None,
-                "queries": q[0].clone() if layer in self.sampled else None}
+                "queries": q[0].clone() if layer in self.sampled else None, "k": lc.k[0],
+                "lse": q.new_zeros(q.shape[1], T, dtype=acc) if layer in self.sampled else None}
 
     def add(self, st: dict, c0: int, c1: int, p):
         G, x = st["x"].shape[1], st["x"]
@@ -144,18 +147,23 @@ class ValueFlow:
         for k in range(self.hops + 1):
             x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]             # x^k += x^{k−1}[rows] Ā[rows]
             prev = x[k, :, c0:c1]
+        if st["lse"] is not None:                                    # lse = logit − log A at the row's max
+            top, j = p[0].max(-1)                                    # (H, c)
+            q, kj = st["queries"][:, c0:c1], st["k"][torch.arange(len(j), device=j.device)[:, None] * G // len(j), j]
+            st["lse"][:, c0:c1] = (q * kj).sum(-1).to(top) / math.sqrt(q.shape[-1]) - top.log()   # (H, c)
 
     def end(self, st: dict):
-        return st["probes"], st["x"], st["queries"], st["strided"], 0
+        return st["probes"], st["x"], st["queries"], st["strided"], 0, st["lse"]
 
     def cut(self, value, a: int, b: int):
         """The value over keys a..b−1 alone (support/protocols.cut): the probes (the last r queries)
         stay, x and the queries are sliced, the strided ones from the first in [a, b), with a phase."""
-        probes, x, queries, strided, phase = value
+        probes, x, queries, strided, phase, lse = value
         if strided is not None:
             i0, i1 = (-(-(e - phase) // self.stride) for e in (a, b))
             strided, phase = strided[:, i0:i1], i0 * self.stride + phase - a
-        return probes, x[..., a:b], None if queries is None else queries[:, a:b], strided, phase
+        sl = lambda y: None if y is None else y[:, a:b]              # the whole prompt's normalisers
+        return probes, x[..., a:b], sl(queries), strided, phase, sl(lse)
 
     def merge(self, other: "ValueFlow") -> "ValueFlow":
         """Variants share one pass: the most dense hops and every sampled layer serve all."""
@@ -176,16 +184,17 @@ class Flow:
     queries: list = field(default_factory=list)  # [(H, T, D) or None] the sampled layers' queries
     strided: list = field(default_factory=list)  # [(H, ⌈T/stride⌉, D) or None] every stride-th query
     phase: list = field(default_factory=list)    # [int] strided query i is token i·stride + phase
+    lse: list = field(default_factory=list)      # [(H, T) or None] the sampled layers' row log Σ
 
 
 def needs(s: "Settings", n_layers: int) -> polykv.Needs:
     """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries."""
-    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, tuple(depths(s.hop_depths, n_layers)),
-                                                  s.evidence_stride if s.evidence else 0)),))
+    sampled, stride = tuple(depths(s.hop_depths, n_layers)), s.evidence_stride if s.evidence else 0
+    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, sampled, stride)),))
 
 
 def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    return Flow(window, *map(list, zip(*obs.extra["flow"])))     # probes, flow, queries, strided, phase
+    return Flow(window, *map(list, zip(*obs.extra["flow"])))     # probes, flow, queries, strided, phase, lse
 
 
 @torch.no_grad()
@@ -201,8 +210,7 @@ def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 2
 def bends(h: torch.Tensor, w: int) -> torch.Tensor:
     """Bends of a trajectory h (T, F): κ_i = 1 − cos(h̄_i − mean h̄_{i−w..i−1},
     mean h̄_{i+1..i+w} − h̄_i) with h̄ = h/‖h‖, windows clipped at the ends; κ_0 = κ_{T−1} = 0."""
-    T = h.shape[0]
-    h = F.normalize(h, dim=-1)
+    T, h = h.shape[0], F.normalize(h, dim=-1)
     C = F.pad(h.cumsum(0), (0, 0, 1, 0))                          # (T+1, F) prefix sums
     i = torch.arange(T, device=h.device)
     lo, hi = (i - w).clamp(min=0), (i + 1 + w).clamp(max=T)
@@ -227,8 +235,7 @@ def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
     shared prefill keeps no per-token logits.)"""
     T, pos = full.layers[0].k.shape[2], full.layers[0].pos[0, 0]      # (T,) the keys' positions
     ks = []
-    for lb in depths(s.bend_depths, model.config.n_layers):
-        lc = full.layers[lb]
+    for lc in [full.layers[lb] for lb in depths(s.bend_depths, model.config.n_layers)]:
         kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)       # (G, T, D)
         h = torch.cat((F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1).transpose(0, 1)
         ks += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
@@ -459,29 +466,23 @@ def unit_norm(y: torch.Tensor) -> torch.Tensor:                       # rows sum
     return y / y.sum(-1, keepdim=True).clamp(min=1e-300)
 
 
-def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0, chunk: int = 256):
+def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
     """rows(idx) -> (len(idx), Tc): the token attention map the hops walk on, mean over all H
     heads and the sampled layers (those whose queries the flow kept): (1 − forward)·A[idx, :]
-    (what the tokens idx < Tc read) + forward·A[:, idx]ᵀ (which context tokens read them: each
-    row's log-normaliser once per layer, in chunks of query rows; never a (T, T) map)."""
-    H, G = model.config.n_heads, model.config.n_kv_heads
+    (what tokens idx < Tc read) + forward·A[:, idx]ᵀ (who reads them), A[i, j] = exp(q_i·k_j/√D
+    − lse_i) with the observed normalisers (the whole prompt's, also under `context`)."""
+    H, G, every = model.config.n_heads, model.config.n_kv_heads, torch.arange(Tc, device=full.layers[0].k.device)
     layers = [l for l, q in enumerate(flow.queries) if q is not None]
 
-    every, lse = torch.arange(Tc, device=full.layers[0].k.device), {}
-
-    def logits(l, at, keys):                                         # (H, n, m) causal, queries at, keys
+    def A(l, at, keys):                                              # (H, n, m) causal, queries at, keys
         q, k = flow.queries[l][:, at], full.layers[l].k[0, :, keys]  # (H, n, D), (G, m, D)
         lg = (q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2)).double() / math.sqrt(q.shape[-1])
-        return lg.masked_fill(keys[None, :] > at[:, None], float("-inf"))
-
-    def norm(l):                                                     # (H, Tc) every row's log Σ, once
-        if l not in lse:
-            lse[l] = torch.cat([logits(l, every[c:c + chunk], every).logsumexp(-1) for c in range(0, Tc, chunk)], 1)
-        return lse[l]
+        lg = lg - flow.lse[l][:, at, None].double()
+        return lg.masked_fill(keys[None, :] > at[:, None], float("-inf")).exp()
 
     def rows(idx):                                                   # (n, Tc)
-        back = lambda l: torch.softmax(logits(l, idx, every), -1).mean(0) if forward < 1 else 0.0
-        fwd = lambda l: (logits(l, every, idx) - norm(l)[..., None]).exp().mean(0).T if forward > 0 else 0.0
+        back = lambda l: A(l, idx, every).mean(0) if forward < 1 else 0.0
+        fwd = lambda l: A(l, every, idx).mean(0).T if forward > 0 else 0.0
         return sum((1 - forward) * back(l) + forward * fwd(l) for l in layers) / len(layers)
     return rows
 

@@ -161,7 +161,7 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
     assert lc.size == T and not lc.bias.any(), "observe_layer reads a fresh prefill (key j at position j)"
     names = [k for k in names if k in ATTENTION_STATS]
     lowest = 0 if "colsum" in names else \
-        min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T) for _, st in extra])
+        min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T, layer) for _, st in extra])
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
     state = {name: st.begin(q, lc, layer) for name, st in extra}

@@ -2,6 +2,7 @@
 LLaMA in fp64, against naive recomputations and exact invariants."""
 import functools
 import json
+import math
 
 import pytest
 import torch
@@ -92,7 +93,8 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
 def test_gracekv_cut_keeps_each_strided_query_at_its_token():
     """The cut of GraceKV's flow: strided queries (stride 4, every 4th token from 0) cut at a
     context start that is not a multiple of 4 sit at token i·4 + phase of the cut, as the same
-    queries observed with stride 1 say; x is the first hop read at the context's keys."""
+    queries observed with stride 1 say; x is the first hop read at the context's keys; the row
+    log-normalisers are the whole prompt's (a naive logsumexp over every causal key)."""
     m, x = tiny(), tokens()
     flows = {}
     for stride in (4, 1):
@@ -100,10 +102,14 @@ def test_gracekv_cut_keeps_each_strided_query_at_its_token():
         full, obs = P.observe(m, x, needs)
         flows[stride] = [needs.extra[0][1].cut(v, A, B_) for v in obs.extra["flow"]]
     for l in range(2):
-        (_, x4, q4, s4, ph4), (_, x1, q1, s1, ph1) = flows[4][l], flows[1][l]
+        (_, x4, q4, s4, ph4, n4), (_, x1, q1, s1, ph1, n1) = flows[4][l], flows[1][l]
         assert ph1 == 0 and ph4 == 3 and (A + ph4) % 4 == 0
         assert torch.equal(s4, s1[:, ph4::4]) and torch.equal(x4, x1) and torch.equal(q4, q1)
         assert torch.equal(q1, obs.extra["flow"][l][2][:, A:B_]) and q1.shape[1] == B_ - A
+        q, k = obs.extra["flow"][l][2], full.layers[l].k[0].repeat_interleave(2, 0)   # (H, T, D) each
+        lg = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(torch.ones(T, T).triu(1).bool(), -math.inf)
+        torch.testing.assert_close(n1, lg.logsumexp(-1)[:, A:B_], rtol=1e-12, atol=1e-12)
+        assert torch.equal(n4, n1)
 
 
 def test_agnostic_fullkv_equals_the_whole_prompt():
