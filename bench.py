@@ -25,6 +25,7 @@ import torch
 
 import calibrate
 import evaluate as E
+import gracekv as GK
 import model as M
 import polykv as P
 from support import tasks as TK
@@ -79,6 +80,13 @@ def hf_decode_ms(folder, ids, steps: int, repeat: int):
         return 1000 * statistics.median(run() for _ in range(repeat)) / steps
 
 
+def cold(method, m, full, obs):
+    """method.compress, with nothing kept from an earlier call (GraceKV keeps a prompt's
+    budget-independent steps for its next budget: a compression is timed with them)."""
+    GK.CONTEXTS.clear()
+    return method.compress(m, full, obs)
+
+
 def peak_rss_gb(fn):
     """(result, peak resident memory in GB while fn ran): Linux's high-water mark VmHWM, reset
     first through /proc/self/clear_refs; (result, None) where that is not available."""
@@ -111,7 +119,7 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
     for name, ms in made.items():
         cells = []
         for b in budgets:
-            t, (_, peak) = timed(lambda: peak_rss_gb(lambda: ms[b].compress(m, full, obs)), repeat)
+            t, (_, peak) = timed(lambda: peak_rss_gb(lambda: cold(ms[b], m, full, obs)), repeat)
             t += E.own_pass(m, ms[b], obs)
             cells.append(f"{t:.3f} ({t / t_plain:.2f}x) · " + (f"{peak:.2f}" if peak is not None else "n/a"))
         print(f"| {name} | " + " | ".join(cells) + " |")

@@ -245,14 +245,15 @@ def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set
     item without a question (fidelity) is run once, under `prompt`, and its rows stand for every
     protocol: there the three coincide (support/protocols.py)."""
     asked = {p: [(n, b) for b in budgets for n in names if not set(keys(n, b, item, p)) <= done] for p in protocols}
-    if item.split is not None:
-        return [r for p, todo in asked.items() if todo for r in run_protocol(model, tok, methods, item, p, todo)]
+    if item.split is not None:    # prompt and context observe the same whole prompt: one pass serves both
+        shared = {"for": [nb for p in ("prompt", "context") for nb in asked.get(p, ())]}
+        return [r for p, todo in asked.items() if todo for r in run_protocol(model, tok, methods, item, p, todo, shared)]
     rows = run_protocol(model, tok, methods, item, "prompt", list(dict.fromkeys(nb for v in asked.values() for nb in v)))
     return [{**r, "key": result_key(r["method"], r["budget"], item, p), "protocol": p}
             for p, todo in asked.items() for r in rows if (r["method"], r["budget"]) in todo]
 
 
-def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: list):
+def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: list, shared=None):
     """The rows of (method, budget) pairs `todo` on one item under one protocol. Keys a..b−1 are
     compressed and charged (prompt: all; agnostic: all but the question, which the observation
     does not see and which is fed afterwards to every cache, FullKV's included; context: the
@@ -262,17 +263,24 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     Multi-question reuse (item.turns): each later question is fed to a fork of what the protocol
     keeps of the context — the compressed prompt, first question and its gold answer included
     (prompt: a follow-up turn); the exact prefix and the compressed context (context, agnostic) —
-    and scored like the first, against FullKV given the same tokens."""
+    and scored like the first, against FullKV given the same tokens.
+
+    shared (prompt and context of one item): {"for": the (method, budget) pairs of both}; the
+    whole prompt's observation and FullKV reference of the first question, made for all of them
+    by the first protocol run, are kept there for the second."""
     T = item.tokens.shape[1]
     n_pre, n_q = item.split if protocol != "prompt" else (0, 0)
     a, b = (n_pre if protocol == "context" else 0), T - n_q
     seen = item.tokens[:, :b] if protocol == "agnostic" else item.tokens     # what the observation reads
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
     L, G = model.config.n_layers, model.config.n_kv_heads
-    t0 = time.perf_counter()
-    needs = P.union([m.needs(model) for m in made.values()], L)
-    full, obs = P.observe(model, seen, needs)
-    t_p = time.perf_counter() - t0 - sum(obs.seconds.values())    # extra passes: their methods' cost
+    shared = {} if shared is None or protocol == "agnostic" else shared
+    if "observed" not in shared:
+        t0 = time.perf_counter()
+        needs = P.union([methods.get(*nb).needs(model) for nb in shared.get("for", todo)], L)
+        full, obs = P.observe(model, seen, needs)
+        shared["observed"] = full, obs, needs, time.perf_counter() - t0 - sum(obs.seconds.values())
+    full, obs, needs, t_p = shared["observed"]        # t_p: the prefill (extra passes: their methods' cost)
     part, part_obs = PR.cut(full, obs, needs, a, b) if protocol == "context" else (full, obs)
 
     def ask(cache, q):            # a question arrives: fed to the cache and appended, as decoding would
@@ -291,12 +299,15 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     questions += [(lambda c, comp, q=torch.cat((prior, q), 1): ask(base(c, comp), q), a + prior.shape[1] + q.shape[1], g, smp)
                   for q, smp, g in item.turns]
     refs = []
-    for make, free, target, _ in questions:
+    for turn, (make, free, target, _) in enumerate(questions):
         ref = None
         if target is not None:
             n = target.shape[1]
             stepwise = any(m.evicts_within(b - a, n + free) for m in made.values())
-            ref = (stepwise, *M.teacher_force(model, make(full.fork(), part), target, None, stepwise))   # FullKV
+            key = ("first", stepwise) if turn == 0 else None   # the first question: the whole prompt's FullKV
+            ref = shared.get(key) or (stepwise, *M.teacher_force(model, make(full.fork(), part), target, None, stepwise))
+            if key:
+                shared[key] = ref
         refs.append(ref)
     out = []
     for (name, budget), method in made.items():
@@ -318,7 +329,7 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
                 # memory while decoding, vs FullKV after the same tokens: real entries and allocated
                 # slots (padding included; bytes = slots × 2·D·element size for both)
                 r.peak_fraction, r.alloc_fraction = entries / ref_entries, slots / ref_slots
-            if sample is not None:
+            if sample is not None and (methods.args.greedy is None or item.task in methods.args.greedy):
                 n_new = min(sample.max_new_tokens, methods.args.max_new_tokens)
                 # a decoder that cannot evict within the answer would only cost time per step
                 ids = M.greedy(model, here, n_new, stop_ids(tok, sample),
@@ -439,6 +450,9 @@ def parse(argv):
     ap.add_argument("--cont-len", type=int, default=64, help="teacher-forced continuation tokens")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="cap on generated tokens (default: the task's own on GPU, 24 on CPU)")
+    ap.add_argument("--greedy", default=None,
+                    help="comma list of the tasks whose answers are generated and scored (default: all; "
+                         "the others get the gold answer's ΔNLL and KL only, e.g. where FullKV cannot answer)")
     ap.add_argument("--data", default=None, help="folder of LongBench *.jsonl files")
     ap.add_argument("--policy", default=None, help="PolyKV policy JSON (default: calibrate once, cached)")
     ap.add_argument("--seed", type=int, default=0)
@@ -461,6 +475,11 @@ def parse(argv):
     bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
     if bad:
         raise UsageError(f"unknown task {bad[0]!r}; choose from {', '.join(TK.RULER_TASKS)}")
+    if args.greedy is not None:
+        args.greedy = [t for t in args.greedy.split(",") if t]
+        bad = [t for t in args.greedy if t not in args.tasks and not args.data]
+        if bad:
+            raise UsageError(f"--greedy {bad[0]!r} is not among --tasks ({','.join(args.tasks)})")
     args.protocol = list(dict.fromkeys(p for p in args.protocol.split(",") if p))
     bad = [p for p in args.protocol if p not in PR.PROTOCOLS] or ([] if args.protocol else [""])
     if bad:
@@ -532,6 +551,8 @@ def main(argv=None):
                                            "fidelity_samples", "cont_len", "max_new_tokens", "data",
                                            "policy", "seed", "split", "memory")}
     keyed["dtype"] = str(m.dtype)
+    if args.greedy is not None:                       # (absent by default: earlier runs keep their folders)
+        keyed["greedy"] = args.greedy
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
     out.mkdir(parents=True, exist_ok=True)
     config = {**keyed, "budgets": args.budget, "methods": args.methods, "protocols": args.protocol,

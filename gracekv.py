@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cached_property
 from typing import Callable, Optional
 
@@ -48,7 +48,7 @@ import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
 from support.gracekv_variants import VARIANTS, is_row, overrides  # noqa: F401  (the rows)
-from support.greedy import Plan, Split, add_nodes, batched_logits, by_length, peek
+from support.greedy import Last, Plan, Split, add_nodes, batched_logits, by_length, peek
 from support.greedy import picture  # noqa: F401  (gracekv.picture: the README's API)
 
 
@@ -407,8 +407,7 @@ def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings, phase: in
     Rl = R.view(-1, G, R.shape[1]).mean(1).index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)  # (L, Tc)
     out = []
     for row in Rl:
-        best = sorted(slots, key=lambda ab: -float(row[ab[0]:ab[1]].max()))
-        st = s.evidence_stride
+        best, st = sorted(slots, key=lambda ab: -float(row[ab[0]:ab[1]].max())), s.evidence_stride
         at = [(t - phase) // st for a, b in best for t in range(a + (phase - a) % st, b, st)]
         out.append(at[:s.evidence])
     return torch.tensor(out, dtype=torch.long, device=R.device)
@@ -420,9 +419,8 @@ def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
     c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
     cfg = model.config
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    rp, pos = flow.probes[0].shape[1], full.layers[0].pos[0, 0]      # (T,) the keys' positions
+    rp, pos, qs, lgs, ats = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []   # pos (T,)
     last = torch.arange(full.next_pos - rp, full.next_pos, device=pos.device)   # U: the prompt's last r
-    qs, lgs, ats = [], [], []
     for l, lc in enumerate(full.layers):
         eq = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]  # (H, m, D)
         at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)   # (P,) the probes' positions
@@ -438,9 +436,8 @@ def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
 def head_weights(model, full: Cache, lg, acc, r: int) -> torch.Tensor:
     """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
     b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads' outputs)."""
-    cfg = model.config
+    cfg, omega = model.config, []
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    omega = []
     for l, lc in enumerate(full.layers):
         lu = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
         out = torch.softmax(lu, -1) @ lc.v[0, :, None].to(acc)      # (G, g, r, D) head outputs
@@ -540,8 +537,7 @@ class Context:
 def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     """One prompt's per-prompt steps (batch 1): probes, head weights ω, relevance R, slots; and
     the units' un-rotated keys, values and probe log-masses."""
-    T = full.layers[0].k.shape[2]
-    Tc = T - r
+    T, Tc = full.layers[0].k.shape[2], full.layers[0].k.shape[2] - r
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     R, s_hat, seeds = relevance(model, full, flow, Tc, s)            # (U, Tc), (U, Tc), [t]
     kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
@@ -563,6 +559,9 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
                   inv_freq=model.inv_freq, s=s, qpos=qpos, p0=int(pos[0]))
     return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
                    slots=slots, seeds=seeds, s=s, G=G)
+
+
+CONTEXTS = Last(context, key=lambda model, full, flow, r, s: (id(model), id(full), id(flow.probes[0]), r, s))
 
 
 # ============================================================================= budget flow (eqs. 12-13)
@@ -760,7 +759,8 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
                          torch.arange(T - budget + 1, T, device=dev))).expand(1, G, budget)  # (1, G, B)
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
-        cx = context(model, full, flow, s.window, s)
+        cx = CONTEXTS(model, full, flow, s.window, s)                         # budget-independent steps
+        cx = replace(cx, units=replace(cx.units, hole=cx.units.hole.clone()))  # this call's holes
         spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r (eq. 2)
         floor = s.floor(cx, int(s.floor_frac * (budget - s.window)))          # B_floor
         plan = allocate(cx, spare - floor)                                    # B_alloc

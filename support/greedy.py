@@ -121,3 +121,23 @@ def batched_logits(q, u, key):
         out[order[i:i + n]] = ks[i:i + n] @ q[j].T
         i += n
     return out / math.sqrt(key.shape[-1])
+
+
+class Last:
+    """fn's result for the last arguments, kept while the next call has the same key (speed
+    only: gracekv.compress at several budgets of one prompt runs the budget-independent steps
+    once). key(*args) must name its arguments by identity; the memo pins what it keys on, so
+    an id is not reused while it is held; a new key drops the old value before computing."""
+
+    def __init__(self, fn, key):
+        self.fn, self.key, self.held = fn, key, None
+
+    def __call__(self, *args):
+        k = self.key(*args)
+        if self.held is None or self.held[0] != k:
+            self.held = None                                  # free the old value first
+            self.held = (k, self.fn(*args), args)
+        return self.held[1]
+
+    def clear(self):
+        self.held = None

@@ -192,3 +192,45 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     assert {"niah_multineedle_turns later", "niah_multineedle_turns spread", "answer later", "answer spread"} <= tasks
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
+
+
+def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
+    """Rows do not depend on what else a run does: prompt + context in one call (one shared
+    observation and FullKV reference) equal each protocol alone; a later question's rows equal
+    a run that asks that question alone after the same compressed context (forks of one cache
+    do not leak into each other); and under `agnostic` the compressed cache is the same when the
+    question changes (compression never sees it), while under `context` it changes."""
+    from dataclasses import replace
+    m, tok = M.load(tiny_dir, dtype=torch.float64)
+    args = E.parse(["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks", "niah_multineedle_turns",
+                    "--length", "900", "--samples", "1", "--fidelity-samples", "0", "--max-new-tokens", "2"])
+    args.allowance = 4096                             # no decoder evicts (evaluate.main sizes it to the items)
+    it = [i for i in E.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
+    methods, names, protocols = E.Methods(m, tok, args), ["full", "snapkv", "gracekv"], PR.PROTOCOLS
+    strip = lambda rows, *more: {r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
+                                 for r in rows}
+    together = strip(E.run_item(m, tok, methods, names, [32], it, set(), protocols))
+    alone = strip([r for p in protocols for r in E.run_item(m, tok, methods, names, [32], it, set(), (p,))])
+    assert together == alone and len(together) == 3 * 3 * 4
+    one = replace(it, turns=[it.turns[2]])                                    # question 3 alone after the context
+    single = strip(E.run_item(m, tok, methods, names, [32], one, set(), protocols), "key", "turn")
+    for key, r in single.items():
+        if key.endswith("|q1"):
+            assert r == {k: v for k, v in together[key[:-1] + "3"].items() if k not in ("key", "turn")}
+    kept = {}                                         # B = 64: more than the window, so scores decide
+    for name in ("snapkv", "gracekv"):
+        meth = methods.get(name, 64)
+        plain = meth.compress
+        meth.compress = lambda model, full, obs, plain=plain: kept.setdefault(len(kept), plain(model, full, obs))
+        n_q = it.split[1]
+        other = it.tokens.clone()
+        other[:, -n_q:] = torch.randint(5, 250, (1, n_q), generator=torch.Generator().manual_seed(1))
+        for p in ("agnostic", "context"):
+            caches = []
+            for toks in (it.tokens, other):
+                kept.clear()
+                E.run_item(m, tok, methods, [name], [64], replace(it, tokens=toks, turns=[]), set(), (p,))
+                caches.append(kept[0])
+            same = all(torch.equal(a.pos, b.pos) and torch.equal(a.k, b.k) for a, b in zip(*(c.layers for c in caches)))
+            assert same == (p == "agnostic"), (name, p)
+        meth.compress = plain
