@@ -624,7 +624,8 @@ def main(argv=None):
     write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
-        report.plot([d for d in summary if d["protocol"] == args.protocol[0]], args.methods, out, family)
+        lengths = set(args.length) | set(args.fidelity_length)     # one length (±128): against the ratio
+        report.plot(summary, args.methods, out, family, length=max(lengths) if max(lengths) - min(lengths) <= 128 else None)
 
 
 if __name__ == "__main__":

@@ -255,30 +255,36 @@ def styles(names, family) -> dict:
     return out
 
 
-def plot(summary, names, out, family=lambda n: n.split("-")[0]):
-    """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget, per method,
-    with the 95 % interval as a band (`styles`). evaluate.py checks for matplotlib first."""
+def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
+    """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget (or, given the
+    prompt `length`, the compression ratio length / budget), per method, with the 95 % interval
+    as a band (`styles`); one row of panels per protocol in the summary. evaluate.py checks for
+    matplotlib first."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     style = styles(list(names), family)
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, (task, metric, label) in zip(axes, [("fidelity", "kl", "fidelity KL (lower is better)"),
-                                                 ("answer", "dnll", "answer ΔNLL (lower is better)")]):
-        for n in names:
-            pts = sorted((d["budget"], d["value"], d["ci_low"], d["ci_high"]) for d in summary
-                         if d["method"] == n and d["task"] == task and d["metric"] == metric)
-            if pts and n != "full":
-                b, v, lo, hi = zip(*pts)
-                colour, marker, ls = style[n]
-                ax.plot(b, v, marker=marker, ls=ls, color=colour, label=n)
-                ax.fill_between(b, lo, hi, color=colour, alpha=0.12)
-        ax.set_xscale("log", base=2)
-        if metric == "kl":
-            ax.set_yscale("log")
-        ax.set_xlabel("budget (entries per layer and KV head)")
-        ax.set_title(label)
-    axes[0].legend(fontsize=7, ncol=2)
+    protocols = list(dict.fromkeys(protocol(d) for d in summary)) or ["prompt"]
+    fig, grid = plt.subplots(len(protocols), 2, figsize=(12, 4.5 * len(protocols)), squeeze=False)
+    for axes, proto in zip(grid, protocols):
+        for ax, (task, metric, label) in zip(axes, [("fidelity", "kl", "fidelity KL (lower is better)"),
+                                                     ("answer", "dnll", "answer ΔNLL (lower is better)")]):
+            for n in names:
+                pts = sorted((length / d["budget"] if length else d["budget"], d["value"], d["ci_low"], d["ci_high"])
+                             for d in summary if d["method"] == n and d["task"] == task and d["metric"] == metric
+                             and protocol(d) == proto)
+                if pts and n != "full":
+                    b, v, lo, hi = zip(*pts)
+                    colour, marker, ls = style[n]
+                    ax.plot(b, v, marker=marker, ls=ls, color=colour, label=n)
+                    ax.fill_between(b, lo, hi, color=colour, alpha=0.12)
+            ax.set_xscale("log", base=2)
+            if metric == "kl":
+                ax.set_yscale("log")
+            ax.set_xlabel(f"compression ratio ({length} tokens / budget)" if length else
+                          "budget (entries per layer and KV head)")
+            ax.set_title(f"{label} · protocol {proto}" if len(protocols) > 1 else label)
+        axes[0].legend(fontsize=7, ncol=2)
     fig.tight_layout()
     fig.savefig(out / "budget_vs_score.png", dpi=120)
     print(f"plot: {out / 'budget_vs_score.png'}")
@@ -301,7 +307,8 @@ def main(argv=None):
     ap.add_argument("--protocol", default=None, help="the protocol whose rows to show (default: the run's first)")
     ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
     ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
-    ap.add_argument("--plot", action="store_true", help="redraw budget_vs_score.png beside the summary (matplotlib)")
+    ap.add_argument("--plot", action="store_true", help="redraw budget_vs_score.png beside the summary (matplotlib): "
+                    "one row of panels per protocol of the run, against the compression ratio at one length")
     a = ap.parse_args(argv)
     try:
         d = json.loads(open(a.summary).read())
@@ -331,7 +338,10 @@ def main(argv=None):
             import matplotlib  # noqa: F401
         except ImportError:
             sys.exit("error: --plot needs matplotlib (pip install matplotlib)")
-        plot(rows, names, Path(a.summary).parent)
+        lengths = set(cfg.get("length") or []) | set(cfg.get("fidelity_length") or [])
+        every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
+        plot(every if a.protocol is None else rows, names, Path(a.summary).parent,
+             length=max(lengths) if lengths and max(lengths) - min(lengths) <= 128 else None)
 
 
 if __name__ == "__main__":
