@@ -575,7 +575,9 @@ def main(argv=None):
                 for n in args.methods:
                     methods.get(n, b)
         barrier(world)
-    # the items left to do, dealt round-robin to the ranks; each rank appends to its own file
+    # the items left to do, sample 0 of every suite first, then sample 1, ... (a run stopped early
+    # has as many prompts of each suite), dealt round-robin to the ranks; each rank appends to its own file
+    items = sorted(items, key=lambda it: it.index)
     todo = [it for it in items if not {k for n in args.methods for b in args.budget for p in args.protocol
                                         for k in keys(n, b, it, p)} <= done]
     mine = {id(it) for it in todo[rank::world]}

@@ -178,6 +178,7 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
     (["--device", "cuda"], "error: --device cuda: no CUDA device is available here"),
     (["--protocol", "prompt,later"], "error: unknown protocol 'later'; choose from prompt, context, agnostic"),
     (["--memory", "budget", "--protocol", "context"], "error: --memory budget runs the prompt protocol only"),
+    (["--greedy", "vt"], "error: --greedy 'vt' is not among --tasks (niah_single_1)"),
 ])
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)

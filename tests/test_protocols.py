@@ -137,6 +137,7 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     E.main(args)
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == len({r["key"] for r in rows}) == 3 * 4 * 3
+    assert all("score" in r for r in rows if r["task"] == "niah_single_1")
     items = {it.index: it for it in E.build_items(M.load(tiny_dir)[1], E.parse(args), M.load(tiny_dir)[0])
              if it.task == "niah_single_1"}
     for r in rows:
@@ -157,6 +158,11 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     assert {d["protocol"] for d in summary["rows"]} == {"prompt", "context", "agnostic"}
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
+    E.main(args + ["--greedy", "", "--out", str(tmp_path / "nll"), "--methods", "full,snapkv"])   # ΔNLL only
+    quiet = [json.loads(line) for line in (tmp_path / "nll" / "samples.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in quiet} == {"fidelity", "niah_single_1"} and not any("score" in r for r in quiet)
+    same = {r["key"]: r["dnll"] for r in rows}
+    assert all(r["dnll"] == same[r["key"]] for r in quiet)
 
 
 def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
