@@ -65,6 +65,7 @@ class Settings:
     bend_depths: tuple = (0.25, 0.5, 0.75)  # κ's layers, as fractions of the depth [choice]
     bend_widths: tuple = (4, 8, 16)         # κ's window widths w [choice]
     lambda_stab: float = 0.5  # κ = mean − λ_stab·std over (layer, width) [choice]
+    lambda_s: float = 0.0     # b = z(κ) + λ_s·z(surprisal) (eq. 5) [choice: 0 until dev says more]
     lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph: not given by the paper [choice]
     lambda_m: float = 1.0
     lambda_graph: float = 0.3
@@ -185,23 +186,24 @@ class Flow:
     strided: list = field(default_factory=list)  # [(H, ⌈T/stride⌉, D) or None] every stride-th query
     phase: list = field(default_factory=list)    # [int] strided query i is token i·stride + phase
     lse: list = field(default_factory=list)      # [(H, T) or None] the sampled layers' row log Σ
+    surprisal: Optional[torch.Tensor] = None     # (1, T) −log p of each token, if Settings.lambda_s
 
 
 def needs(s: "Settings", n_layers: int) -> polykv.Needs:
     """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries."""
     sampled, stride = tuple(depths(s.hop_depths, n_layers)), s.evidence_stride if s.evidence else 0
-    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, sampled, stride)),))
+    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, sampled, stride)),), surprisal=s.lambda_s != 0)
 
 
 def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    return Flow(window, *map(list, zip(*obs.extra["flow"])))     # probes, flow, queries, strided, phase, lse
+    return Flow(window, *map(list, zip(*obs.extra["flow"])), obs.surprisal)   # per layer: probes .. lse
 
 
 @torch.no_grad()
 def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 256):
     """Full prefill of tokens (1, T) observing the probes and flow (chunk: query rows per pass)."""
     s = settings or Settings()
-    full, obs = polykv.observe(model, tokens, polykv.Needs(chunk=chunk, extra=needs(s, model.config.n_layers).extra))
+    full, obs = polykv.observe(model, tokens, replace(needs(s, model.config.n_layers), chunk=chunk))
     return full, flow_of(obs, s.window)
 
 
@@ -227,21 +229,19 @@ def robust_z(x: torch.Tensor) -> torch.Tensor:
     return (x - med) / (1.4826 * (x - med).abs().median() + 1e-12)
 
 
-def slot_bends(model, full: Cache, Tc: int, s: Settings, acc) -> torch.Tensor:
+def slot_bends(model, full: Cache, Tc: int, s: Settings, acc, surprisal=None) -> torch.Tensor:
     """Boundary scores b (Tc,) of eq. 5: κ_i^{(l,w)} of the trajectories h_t = [k°_t/‖k°_t‖,
     v_t/‖v_t‖] over heads (the cache's un-rotated keys and values at layer l: a linear image of the
     hidden state) for the layers at `bend_depths` and the widths `bend_widths`; κ = mean −
-    λ_stab·std over (l, w); b = z(κ), robust. (The surprisal term λ_s·z(−log p) is not used: the
-    shared prefill keeps no per-token logits.)"""
-    T, pos = full.layers[0].k.shape[2], full.layers[0].pos[0, 0]      # (T,) the keys' positions
-    ks = []
+    λ_stab·std over (l, w); b = z(κ) + λ_s·z(surprisal (1, T): −log p of each token), robust z."""
+    T, pos, ks = full.layers[0].k.shape[2], full.layers[0].pos[0, 0], []   # pos (T,): the keys' positions
     for lc in [full.layers[lb] for lb in depths(s.bend_depths, model.config.n_layers)]:
         kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)       # (G, T, D)
         h = torch.cat((F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1).transpose(0, 1)
         ks += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
-    k = torch.stack(ks)                                                # (layers·widths, Tc)
+    k, z = torch.stack(ks), lambda x: robust_z(x) if Tc > 1 else x    # k (layers·widths, Tc)
     kappa = k.mean(0) - s.lambda_stab * (k.std(0, unbiased=False) if len(ks) > 1 else 0)
-    return robust_z(kappa) if Tc > 1 else kappa
+    return z(kappa) + (s.lambda_s * z(surprisal[0, :Tc].to(acc)) if s.lambda_s else 0)
 
 
 def n_slots(Tc: int, s: Settings) -> int:
@@ -540,7 +540,7 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
     T, Tc = full.layers[0].k.shape[2], full.layers[0].k.shape[2] - r
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     R, s_hat, seeds = relevance(model, full, flow, Tc, s)            # (U, Tc), (U, Tc), [t]
-    kappa = slot_bends(model, full, Tc, s, acc)                      # (Tc,)
+    kappa = slot_bends(model, full, Tc, s, acc, flow.surprisal)      # (Tc,)
     slots = s.slotting(kappa, Tc, s)
     G = model.config.n_kv_heads
     ev = evidence_probes(R, slots, G, s, flow.phase[0])              # (L, m)

@@ -301,12 +301,15 @@ class Hooks:
                                          attention output out (B, H, T, D); observe only.
     cache_update(layer, q, q_pos, lc) -> lc   decides what the layer's cache becomes (a decode
                                          rule: its state is in lc, the newest queries in q).
+    final(h)                             the final norm's output h (B, T, dim) of the new tokens,
+                                         before lm_head (`surprisal`); observe only.
     Observation (a prefill's statistics) uses post_kernel; eviction while decoding is a
     cache_update passed to `decode` / `greedy`, never stored in the cache.
     """
     pre_kernel: Optional[Callable] = None
     post_kernel: Optional[Callable] = None
     cache_update: Optional[Callable] = None
+    final: Optional[Callable] = None
 
 
 # ----------------------------------------------------------------------------- attention
@@ -493,6 +496,8 @@ class Llama(nn.Module):
         x = self.embed_tokens(tokens)                                         # (B, T, dim)
         for l, blk in enumerate(self.layers):
             x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.sdpa)
+        if hooks is not None and hooks.final is not None:
+            hooks.final(self.norm(x))
         if last_only:
             x = x[:, -1:]
         logits = self.lm_head(self.norm(x))                                  # (B, T|1, V)
@@ -531,6 +536,18 @@ def check_length(model: Llama, n: int):
                          f"({model.config.max_seq_len}); shorten it or use --truncate")
     if n < 1:
         raise UsageError("empty prompt")
+
+
+@torch.no_grad()
+def surprisal(model: Llama, h: torch.Tensor, tokens: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+    """−log p(token_t | tokens_<t) (B, T) from the final-norm states h (B, T, dim) of tokens
+    (B, T); 0 at t = 0 (nothing predicts the first token). In chunks of positions: never a
+    (T, V) logit table at once. fp32 (fp64 for an fp64 model)."""
+    out = torch.zeros(tokens.shape, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32, device=h.device)
+    for c0 in range(0, tokens.shape[1] - 1, chunk):
+        lp = torch.log_softmax(model.lm_head(h[:, c0:c0 + chunk]).to(out.dtype), -1)   # (B, c, V) predicts c0+1..
+        out[:, c0 + 1:c0 + 1 + lp.shape[1]] = -lp.gather(-1, tokens[:, c0 + 1:c0 + 1 + lp.shape[1], None])[..., 0]
+    return out
 
 
 @torch.no_grad()

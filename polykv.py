@@ -64,6 +64,7 @@ class Needs:
     n_sink: int = 4       # `queries`: the first n_sink queries left out; `recon`: sinks kept
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
     repeat: tuple = ()    # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
+    surprisal: bool = False  # −log p of each prompt token (model.surprisal; GraceKV's boundaries)
     used = property(lambda self: frozenset().union(*self.stats))   # every statistic some layer reads
 
 
@@ -85,7 +86,7 @@ def union(needs: list, n_layers: int) -> Needs:
             stats = [a | b for a, b in zip(stats, n.stats)]
         for name, st in n.extra:
             extra[name] = st if name not in extra else extra[name].merge(st)
-    return Needs(tuple(stats), chunk=chunk, extra=tuple(extra.items()), **params)
+    return Needs(tuple(stats), chunk=chunk, extra=tuple(extra.items()), surprisal=any(n.surprisal for n in needs), **params)
 
 
 @dataclass
@@ -93,6 +94,7 @@ class Observation:
     stats: list                     # [dict name -> (B, H, T)] * L
     extra: dict = field(default_factory=dict)   # name -> [value per layer] (Needs.extra)
     seconds: dict = field(default_factory=dict)  # name -> time of an extra pass (KVzip's `recon`)
+    surprisal: Optional[torch.Tensor] = None     # (B, T) if Needs.surprisal
 
 
 class Method:
@@ -184,8 +186,7 @@ def observe(model, tokens, needs: Needs, spy=None):
     """One full-attention prefill of tokens (B, T) recording what `needs` asks for, each layer's
     attention computed once (then KVzip's pass if a layer reads `recon`): (FullKV cache,
     Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out)."""
-    L = model.config.n_layers
-    per_layer = needs.stats or (frozenset(),) * L
+    L, per_layer = model.config.n_layers, needs.stats or (frozenset(),) * model.config.n_layers
     obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
 
     def post_kernel(layer, q, q_pos, lc, out):
@@ -197,7 +198,8 @@ def observe(model, tokens, needs: Needs, spy=None):
         if spy is not None:
             spy(layer, q, q_pos, lc, out)
 
-    hooks = Hooks(post_kernel=post_kernel) if any(per_layer) or needs.extra or spy else None
+    final = (lambda h: setattr(obs, "surprisal", M.surprisal(model, h, tokens))) if needs.surprisal else None
+    hooks = Hooks(post_kernel=post_kernel, final=final) if any(per_layer) or needs.extra or spy or final else None
     full = M.prefill(model, tokens, hooks)
     layers = [l for l in range(L) if "recon" in per_layer[l]]
     if layers:
@@ -268,9 +270,7 @@ def observe_for(model, tokens, methods: list):
 # A rule is one small scoring function under its formula and citation, registered with its needs
 # (which prefill statistics it reads, STATS) and its decode form (what it does while decoding).
 # Everything else reads the registry when it is used: `Policy`, `evaluate.py --methods`,
-# calibration's pool (`pool()`), the report's baselines and the generic rule tests. README "Add
-# your own rule" walks through one.
-#
+# calibration's pool (`pool()`), the report's baselines, the rule tests; README "Add your own rule".
 # A scoring function takes a `ScoreInput` and returns (scores (B, G, T) or broadcastable to it,
 # higher = keep; protected (T,) bool, always kept). `select` keeps the top-`budget` (protected
 # first, ties toward the later position) sorted by position. GQA: a score per query head is

@@ -64,7 +64,8 @@ def cut(full, obs, needs, a: int, b: int):
         if not hasattr(st, "cut"):
             raise UsageError(f"statistic {name!r} cannot be cut to the context (it has no cut method)")
         extra[name] = [st.cut(v, a, b) for v in obs.extra[name]]
-    return Cache(layers, full.next_pos, full.last_logits), type(obs)(stats, extra, dict(obs.seconds))
+    surprisal = None if obs.surprisal is None else obs.surprisal[:, a:b]
+    return Cache(layers, full.next_pos, full.last_logits), type(obs)(stats, extra, dict(obs.seconds), surprisal)
 
 
 def join(full, comp, a: int, b: int, question: bool = True):
