@@ -338,6 +338,7 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
                 r.pred = tok.decode(ids)
                 r.score = metrics.score(sample, r.pred)
             out.append(r.to_json())
+    gracekv.CONTEXTS.clear()                 # GraceKV's steps of this prompt: not held past it
     return out
 
 
@@ -476,7 +477,7 @@ def parse(argv):
     if bad:
         raise UsageError(f"unknown task {bad[0]!r}; choose from {', '.join(TK.RULER_TASKS)}")
     if args.greedy is not None:
-        args.greedy = [t for t in args.greedy.split(",") if t]
+        args.greedy = sorted({t for t in args.greedy.split(",") if t})
         bad = [t for t in args.greedy if t not in args.tasks and not args.data]
         if bad:
             raise UsageError(f"--greedy {bad[0]!r} is not among --tasks ({','.join(args.tasks)})")
@@ -626,8 +627,9 @@ def main(argv=None):
     write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
-        lengths = set(args.length) | set(args.fidelity_length)     # one length (±128): against the ratio
-        report.plot(summary, args.methods, out, family, length=max(lengths) if max(lengths) - min(lengths) <= 128 else None)
+        lengths = set(args.length if args.tasks else []) | set(args.fidelity_length if args.fidelity_samples else [])
+        one = bool(lengths) and max(lengths) - min(lengths) <= 128 and not args.data   # one length: the ratio
+        report.plot(summary, args.methods, out, family, length=max(lengths) if one else None)
 
 
 if __name__ == "__main__":

@@ -151,7 +151,7 @@ class ValueFlow:
         if st["lse"] is not None:                                    # lse = logit − log A at the row's max
             top, j = p[0].max(-1)                                    # (H, c)
             q, kj = st["queries"][:, c0:c1], st["k"][torch.arange(len(j), device=j.device)[:, None] * G // len(j), j]
-            st["lse"][:, c0:c1] = (q * kj).sum(-1).to(top) / math.sqrt(q.shape[-1]) - top.log()   # (H, c)
+            st["lse"][:, c0:c1] = (q.to(top) * kj.to(top)).sum(-1) / math.sqrt(q.shape[-1]) - top.log()   # (H, c)
 
     def end(self, st: dict):
         return st["probes"], st["x"], st["queries"], st["strided"], 0, st["lse"]
@@ -473,7 +473,7 @@ def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
 
     def A(l, at, keys):                                              # (H, n, m) causal, queries at, keys
         q, k = flow.queries[l][:, at], full.layers[l].k[0, :, keys]  # (H, n, D), (G, m, D)
-        lg = (q.to(k.dtype) @ k.repeat_interleave(H // G, 0).transpose(1, 2)).double() / math.sqrt(q.shape[-1])
+        lg = (q.double() @ k.double().repeat_interleave(H // G, 0).transpose(1, 2)) / math.sqrt(q.shape[-1])
         lg = lg - flow.lse[l][:, at, None].double()
         return lg.masked_fill(keys[None, :] > at[:, None], float("-inf")).exp()
 
@@ -749,8 +749,8 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         raise UsageError(f"budget must be >= 1, got {budget}")
     if B != 1:
         raise UsageError(f"gracekv compresses one prompt at a time, got a batch of {B}")
-    if flow.window != s.window:
-        raise UsageError(f"flow observed with window {flow.window}, settings say {s.window}")
+    if flow.window != s.window or (s.lambda_s and flow.surprisal is None):
+        raise UsageError(f"flow: window {flow.window}, surprisal {flow.surprisal is not None}; settings: {s.window}, λ_s {s.lambda_s}")
     dev, G, plan = full.layers[0].k.device, full.layers[0].k.shape[1], None
     if T <= budget:                                                           # identity: FullKV
         out = Cache(list(full.layers), full.next_pos, full.last_logits)

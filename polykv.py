@@ -232,10 +232,10 @@ def query_stats(q, q_pos, inv_freq, n_sink: int, future: int):
 def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink: int = 4,
                 chunk: int = 2048, overlap: int = 8) -> dict:
     """KVzip's scores (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
-    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt is fed again after a fork
-    of the FullKV cache (left as it was), behind an instruction to repeat it (later chunks: + the
-    previous chunk's last `overlap` tokens) and the suffix. Per query u of that pass, A_rec[h,u,·]
-    = softmax over the sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec."""
+    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt fed again after a fork of
+    the FullKV cache (left as it was) behind a repeat instruction (later chunks: + the `overlap`
+    tokens before) and the suffix. Per query u of that pass, A_rec[h,u,·] = softmax over the
+    sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec."""
     if not repeat:
         raise UsageError("kvzip needs the reconstruction prompt: RuleSettings(repeat=tasks.reconstruction_prompt(tok))")
     B, T = tokens.shape
