@@ -65,7 +65,7 @@ class Settings:
     bend_depths: tuple = (0.25, 0.5, 0.75)  # κ's layers, as fractions of the depth [choice]
     bend_widths: tuple = (4, 8, 16)         # κ's window widths w [choice]
     lambda_stab: float = 0.5  # κ = mean − λ_stab·std over (layer, width) [choice]
-    lambda_s: float = 0.0     # b = z(κ) + λ_s·z(surprisal) (eq. 5) [choice: 0 until dev says more]
+    lambda_s: float = 1.0     # b = z(κ) + λ_s·z(surprisal) (eq. 5) [choice: dev, 0.5 ties it, 0 loses]
     lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph: not given by the paper [choice]
     lambda_m: float = 1.0
     lambda_graph: float = 0.3

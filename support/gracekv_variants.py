@@ -114,7 +114,7 @@ VARIANTS = {"gracekv": {},
             "gracekv-v1": {"rank_adds": rank_with_lookahead, "unit_rows": shared_row, "extract": extract_hole,
                            "value_beta": beta_global, "multi_hop": dense_hops, "dense_hops": 2,
                            "slotting": greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,), "floor": row_floor,
-                           "floor_frac": 0.1, "seeds": 16, "evidence": 0},
+                           "floor_frac": 0.1, "seeds": 16, "evidence": 0, "lambda_s": 0.0},
             # ablations
             "gracekv-mn": {"multiplicity": multiplicity_n},       # m = n
             "gracekv-fit": {"multiplicity": multiplicity_fit},    # log m fitted on the probes
@@ -122,6 +122,7 @@ VARIANTS = {"gracekv": {},
             "gracekv-1hop": {"hops": 0, "lambda_graph": 0.0},     # relevance from the first hop only
             "gracekv-backhops": {"hop_forward": 0.0},             # hops walk only what a token reads
             "gracekv-noevidence": {"evidence": 0},                # distortion probes U alone
+            "gracekv-nosurprisal": {"lambda_s": 0.0},             # slot boundaries from the bends alone
             "gracekv-exact": {"floor": row_floor, "floor_frac": 1.0}}   # no trees: every entry an exact token
 
 

@@ -191,14 +191,14 @@ def test_surprisal_term_of_the_boundaries_equals_naive():
     from dataclasses import replace
     from support import protocols as PR
     m, x = tiny(), tokens(3, 41)
-    s = replace(SET, lambda_s=0.7)
+    s, off = replace(SET, lambda_s=0.7), replace(SET, lambda_s=0.0)
     full, obs = GK.polykv.observe(m, x, GK.needs(s, m.config.n_layers))
     lp = torch.log_softmax(m.forward(x), -1)                                  # (1, T, V)
     want = torch.cat((torch.zeros(1, 1, dtype=lp.dtype), -lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]), 1)
     torch.testing.assert_close(obs.surprisal, want, rtol=1e-12, atol=1e-12)
-    assert GK.polykv.observe(m, x, GK.needs(SET, m.config.n_layers))[1].surprisal is None   # λ_s = 0: not observed
+    assert GK.polykv.observe(m, x, GK.needs(off, m.config.n_layers))[1].surprisal is None   # λ_s = 0: not observed
     Tc = x.shape[1] - s.window
-    b0, b1 = (GK.slot_bends(m, full, Tc, st_, torch.float64, obs.surprisal) for st_ in (SET, s))
+    b0, b1 = (GK.slot_bends(m, full, Tc, st_, torch.float64, obs.surprisal) for st_ in (off, s))
     torch.testing.assert_close(b1, b0 + 0.7 * GK.robust_z(want[0, :Tc]), rtol=1e-12, atol=1e-12)
     assert torch.equal(PR.cut(full, obs, GK.needs(s, m.config.n_layers), 5, 30)[1].surprisal, obs.surprisal[:, 5:30])
 
