@@ -627,9 +627,7 @@ def main(argv=None):
     write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
-        lengths = set(args.length if args.tasks else []) | set(args.fidelity_length if args.fidelity_samples else [])
-        one = bool(lengths) and max(lengths) - min(lengths) <= 128 and not args.data   # one length: the ratio
-        report.plot(summary, args.methods, out, family, length=max(lengths) if one else None)
+        report.plot(summary, args.methods, out, family, length=report.ratio_length(config))
 
 
 if __name__ == "__main__":

@@ -255,6 +255,16 @@ def styles(names, family) -> dict:
     return out
 
 
+def ratio_length(config: dict):
+    """The prompt length the plot divides by the budget (a compression ratio), when the run's
+    prompts have one length (within 128 tokens: fidelity prompts leave room for their
+    continuation); None (plot against the budget) for several lengths or LongBench files."""
+    lengths = set((config.get("length") or []) if config.get("tasks") else []) | \
+        set((config.get("fidelity_length") or []) if config.get("fidelity_samples", 1) else [])
+    one = bool(lengths) and max(lengths) - min(lengths) <= 128 and not config.get("data")
+    return max(lengths) if one else None
+
+
 def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
     """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget (or, given the
     prompt `length`, the compression ratio length / budget), per method, with the 95 % interval
@@ -338,10 +348,8 @@ def main(argv=None):
             import matplotlib  # noqa: F401
         except ImportError:
             sys.exit("error: --plot needs matplotlib (pip install matplotlib)")
-        lengths = set(cfg.get("length") or []) | set(cfg.get("fidelity_length") or [])
         every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
-        plot(every if a.protocol is None else rows, names, Path(a.summary).parent,
-             length=max(lengths) if lengths and max(lengths) - min(lengths) <= 128 else None)
+        plot(every if a.protocol is None else rows, names, Path(a.summary).parent, length=ratio_length(cfg))
 
 
 if __name__ == "__main__":
