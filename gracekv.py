@@ -58,7 +58,7 @@ def _later(name: str):     # a default that names a function defined further dow
 
 @dataclass(frozen=True)
 class Settings:
-    window: int = 32          # r: exact recent tokens = probe queries [choice: SnapKV's w = 32]
+    window: int = 32          # r: exact recent tokens = probes U, the sequence's (= question's) suffix [choice: w = 32]
     slot_min: int = 16        # slot lengths 16..128, about 64 (the paper)
     slot_max: int = 128
     slot_target: int = 64     # [choice: the DP cuts the context into round(Tc / 64) slots]
