@@ -351,17 +351,20 @@ def attention_sdpa(q, k, v, bias, q_pos, k_pos):
     if bool((S == T) and (bias == 0).all() and (k_pos == q_pos[:, None, :]).all()):
         # a fresh prefill: keys are exactly the queries' tokens -> plain causal mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    vis = visible_mask(q_pos, k_pos)                                          # (B, G, T, S)
     if q.dtype not in (torch.float32, torch.float64) and bool((bias.isfinite() & (bias != 0)).any()):
         # an fp32 bias (GraceKV's log m) would be rounded to q's bf16/fp16 in SDPA's mask:
         # the explicit attention keeps it exact (softmax in fp32)
         return attention(q, k, v, bias, q_pos, k_pos)
-    if bool(vis.all() and (bias == 0).all()):
+    before = S == 0 or bool((k_pos >= 0).all() and (k_pos.flatten(1).amax(1) <= q_pos.amin(1)).all())
+    if before and bool((bias == 0).all()):
         # every key visible to every query (a decoding step over tokens): no mask, so the
         # fused kernels stay available
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    mask = bias[:, :, None, :].masked_fill(~vis, float("-inf"))               # (B, G, T, S)
-    mask = mask[:, :, None].expand(B, G, H // G, T, S).reshape(B, H, T, S)    # (B, H, T, S)
+    if bool((k_pos == k_pos[:, :1]).all() and (bias == bias[:, :1]).all()):
+        k_pos, bias = k_pos[:, :1], bias[:, :1]       # one mask for all heads (B, 1, T, S): no H copies
+    mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))  # (B, G|1, T, S)
+    if mask.shape[1] > 1:
+        mask = mask[:, :, None].expand(B, G, H // G, T, S).reshape(B, H, T, S)    # (B, H, T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=True)
 
 

@@ -191,14 +191,16 @@ def test_cached_decoding_equals_uncached(cfg, seed, B, T, data):
 @given(cfg=configs(), seed=st.integers(0, 2**16), T=st.integers(2, 10))
 def test_sdpa_equals_explicit_attention(cfg, seed, T):
     """Same weights, sdpa=True vs sdpa=False: prefill (causal fast path) and decode with a cache,
-    including a gathered cache with -inf and positive (log m-like) biases (the attn_mask path).
+    including a gathered cache with -inf and positive (log m-like) biases (the attn_mask path,
+    one mask per head) and three tokens at once on the prefill's cache (one mask for all heads).
     Tolerance 1e-12: SDPA's math kernel scales and reduces in a different order."""
     m = random_model(cfg, seed)
-    toks = tokens_for(cfg, 1, T + 1, seed)
+    toks = tokens_for(cfg, 1, T + 3, seed)
     outs = {}
     for sdpa in (False, True):
         m.sdpa = sdpa
         cache, pre = run64(m, model.prefill, m, toks[:, :T])
+        more = run64(m, model.decode, m, toks[:, T:], cache.fork())[1]
         g = torch.Generator().manual_seed(seed)
         keep = torch.stack([torch.randperm(T, generator=g)[:max(1, T // 2)].sort().values
                             for _ in range(cfg.n_kv_heads)])[None]            # (1, G, S')
@@ -207,7 +209,7 @@ def test_sdpa_equals_explicit_attention(cfg, seed, T):
             lc.bias = torch.where(torch.rand(lc.bias.shape, generator=g, dtype=F64) < 0.3,
                                   float("-inf"), torch.rand(lc.bias.shape, generator=g, dtype=F64))
             cache.layers[l] = lc
-        outs[sdpa] = (pre, run64(m, model.decode, m, toks[:, T:], cache)[1])
+        outs[sdpa] = (pre, more, run64(m, model.decode, m, toks[:, T:T + 1], cache)[1])
     for a, b in zip(outs[False], outs[True]):
         assert torch.allclose(a, b, **EXACT)
 
