@@ -460,6 +460,9 @@ def parse(argv):
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache-dir", default=str(M.default_model_dir().parent / "policies"))
     ap.add_argument("--plot", action="store_true", help="budget-vs-score PNG (needs matplotlib)")
+    ap.add_argument("--report", action="store_true",
+                    help="run nothing: summarize the prompts of --out whose every row is finished (a "
+                         "resumable run stopped part way), into summary.json / summary.md (+ --plot)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)")
     args = ap.parse_args(argv)
@@ -568,6 +571,15 @@ def main(argv=None):
                            for it in items if it.split] or [0])
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     done = {r["key"] for r in rows}
+    every = lambda it: {k for n in args.methods for b in args.budget for p in args.protocol for k in keys(n, b, it, p)}
+    if args.report:                       # the prompts every row of which is there, nothing run
+        if world > 1:
+            raise UsageError("--report runs in one process (no torchrun)")
+        finished = [it for it in items if every(it) <= done]
+        wanted = set().union(*map(every, finished))
+        rows = [r for r in rows if r["key"] in wanted]
+        config["prompts"] = f"{len(finished)} of {len(items)} (--report)"
+        return summarize(args, config, out, rows, m, None)
     barrier(world)                        # every rank has read the files before any appends
     methods = Methods(m, tok, args)
     for turn in (0, 1):                   # PolyKV calibrates here, once (rank 0), before the loop
@@ -579,8 +591,7 @@ def main(argv=None):
     # the items left to do, sample 0 of every suite first, then sample 1, ... (a run stopped early
     # has as many prompts of each suite), dealt round-robin to the ranks; each rank appends to its own file
     items = sorted(items, key=lambda it: it.index)
-    todo = [it for it in items if not {k for n in args.methods for b in args.budget for p in args.protocol
-                                        for k in keys(n, b, it, p)} <= done]
+    todo = [it for it in items if not every(it) <= done]
     mine = {id(it) for it in todo[rank::world]}
     jsonl = out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl")
     t0, n_run = time.time(), 0
@@ -606,19 +617,27 @@ def main(argv=None):
     if rank != 0:
         return
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
+    config["prompts"] = str(len(items))
+    summarize(args, config, out, rows, m, t_start)
+
+
+def summarize(args, config, out, rows, m, t_start):
+    """summary.json, summary.md (+ the plot) of a run's per-sample rows, one table per protocol
+    (t_start None: a --report of rows written earlier, whose wall time is not known here)."""
     summary = []              # per protocol
     for p in args.protocol:
         mine = [r for r in rows if report.protocol(r) == p]
         summary += [{**d, "protocol": p} for d in report.summarize(mine, args.methods, args.budget, baselines(),
                                                                     [n for n in args.methods if family(n) == "polykv"])]
-    config["wall_s"] = round(time.time() - t_start, 1)
+    config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)   # None: --report
     per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}
     config["prefill_s"] = round(sum(per_prompt.values()) / max(1, len(per_prompt)), 2)
     write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
-              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · wall {config['wall_s']} s · shared prefill "
+              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · prompts {config['prompts']} · "
+              f"wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt")
     tables = [(f"protocol {p}\n\n" if len(args.protocol) > 1 else "")
               + report.table([d for d in summary if d["protocol"] == p], args.methods, args.budget, args.tasks)

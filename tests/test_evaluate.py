@@ -71,6 +71,20 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
     with pytest.raises(KeyboardInterrupt):
         run(tiny_dir, tmp_path / "b", "--policy", str(policy_file))
     assert len((tmp_path / "b" / "samples.jsonl").read_text().splitlines()) == 2 * 8 * 2
+    # --report on a copy missing the last 3 rows: only the prompt finished for every row counts
+    (tmp_path / "c").mkdir()
+    part = (tmp_path / "b" / "samples.jsonl").read_text().splitlines()[:-3]
+    (tmp_path / "c" / "samples.jsonl").write_text("\n".join(part) + "\n")
+    monkeypatch.setattr(E, "run_item", None)                       # nothing may run
+    got = run(tiny_dir, tmp_path / "c", "--policy", str(policy_file), "--report")
+    kept = [json.loads(l) for l in part]
+    kept = [r for r in kept if (r["task"], r["index"]) == (kept[0]["task"], kept[0]["index"])]
+    assert len(kept) == 8 * 2 and len(part) == 2 * 8 * 2 - 3       # one whole prompt, one torn
+    names = "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv".split(",")
+    want = report.summarize(kept, names, [24, 48], E.baselines(), [n for n in names if n.startswith("polykv")])
+    assert got["rows"] == [{**d, "protocol": "prompt"} for d in want] and got["config"]["wall_s"] is None
+    assert got["config"]["prompts"] == "1 of 4 (--report)"
+    assert len((tmp_path / "c" / "samples.jsonl").read_text().splitlines()) == len(part)
     monkeypatch.setattr(E, "run_item", real)
     calls.clear()
     resumed = run(tiny_dir, tmp_path / "b", "--policy", str(policy_file))
