@@ -569,7 +569,7 @@ def main(argv=None):
     gold = lambda it: it.target.shape[1] if it.target is not None and it.turns else 0   # prompt: before a later question
     args.allowance += max([sum(it.split) + gold(it) + max([q.shape[1] for q, _, _ in it.turns] or [0])
                            for it in items if it.split] or [0])
-    rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
+    rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=not args.report)]
     done = {r["key"] for r in rows}
     every = lambda it: {k for n in args.methods for b in args.budget for p in args.protocol for k in keys(n, b, it, p)}
     if args.report:                       # the prompts every row of which is there, nothing run

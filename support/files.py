@@ -16,10 +16,11 @@ def write_atomic(path, text: str):
     os.replace(tmp, path)
 
 
-def read_rows(jsonl: Path) -> list:
+def read_rows(jsonl: Path, repair: bool = True) -> list:
     """The finished rows of a JSONL file. A run killed while writing (power loss, OOM killer)
     leaves a torn last line: it is dropped with a one-line warning and cut from the file, so the
-    rerun appends after the last complete row."""
+    rerun appends after the last complete row. repair=False only reads (a report on the files of
+    a run still writing them: its last line may be half written, and it is left alone)."""
     if not jsonl.exists():
         return []
     data = jsonl.read_bytes()
@@ -28,7 +29,7 @@ def read_rows(jsonl: Path) -> list:
     for line in keep.decode().splitlines():
         if line.strip():
             rows.append(json.loads(line))
-    if len(keep) < len(data):
+    if len(keep) < len(data) and repair:
         print(f"warning: {jsonl}: dropped a torn last line ({len(data) - len(keep)} bytes) "
               "from an interrupted run; it is recomputed", file=sys.stderr, flush=True)
         with open(jsonl, "r+b") as f:

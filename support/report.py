@@ -214,6 +214,33 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
     return out
 
 
+def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
+    """From per-sample rows: per budget and headline metric, the method with the best mean (FullKV
+    aside) and every other method minus it over the prompts all share, paired 95 % bootstrap
+    interval; the methods whose interval contains 0 tie the leader ('leads' when none does)."""
+    acc = values(rows)
+    out = []
+    for b in budgets:
+        for task, metric, label in headline_metrics(ruler_tasks):
+            per = {m: acc[(m, b, task, metric)] for m in names if m not in skip and (m, b, task, metric) in acc}
+            if len(per) < 2:
+                continue
+            prompts = sorted(set.intersection(*(set(v) for v in per.values())))
+            X = {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}   # (n,)
+            sign = -1 if metric in LOWER_IS_BETTER else 1
+            top = max(X, key=lambda m: sign * X[m].mean())
+            idx, ties, behind = resample_index(len(prompts)), [], []
+            for m in sorted(X, key=lambda m: -sign * X[m].mean()):
+                if m == top:
+                    continue
+                lo, hi = interval((X[m] - X[top])[idx].mean(1))
+                (ties if lo <= 0 <= hi else behind).append(f"{m} {X[m].mean() - X[top].mean():+.4g} [{lo:+.4g}, {hi:+.4g}]")
+            out.append(f"B = {b}, {label} (n = {len(prompts)}): {top} {X[top].mean():.4g} "
+                       + ("leads" if not ties else "ties " + "; ".join(ties))
+                       + (" | behind: " + "; ".join(behind) if behind else ""))
+    return out
+
+
 def progress(rows, item, names, budget, i, n, eta) -> str:
     """One line per item: task, and per method its running score on that task at `budget`."""
     metric = "kl" if item.task == "fidelity" else "score"
@@ -317,6 +344,8 @@ def main(argv=None):
     ap.add_argument("--protocol", default=None, help="the protocol whose rows to show (default: the run's first)")
     ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
     ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
+    ap.add_argument("--leaders", action="store_true", help="per budget and headline metric, the leading method "
+                    "and every other minus it (paired intervals), from OUT/samples*.jsonl")
     ap.add_argument("--plot", action="store_true", help="redraw budget_vs_score.png beside the summary (matplotlib): "
                     "one row of panels per protocol of the run, against the compression ratio at one length")
     a = ap.parse_args(argv)
@@ -335,14 +364,19 @@ def main(argv=None):
     rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets and mine(r)]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
-    if a.versus:
+    if a.versus or a.leaders:
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
-            sys.exit(f"error: --versus needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
-        samples = [r for f in files for line in f.read_text().splitlines() if line.strip() and mine(r := json.loads(line))]
-        if a.versus not in {r["method"] for r in samples}:
+            flag = "--versus" if a.versus else "--leaders"
+            sys.exit(f"error: {flag} needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
+        from support.files import read_rows
+        samples = [r for f in files for r in read_rows(f, repair=False) if mine(r)]
+        if a.versus and a.versus not in {r["method"] for r in samples}:
             sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
-        print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
+        if a.versus:
+            print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
+        if a.leaders:
+            print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
     if a.plot:
         try:
             import matplotlib  # noqa: F401

@@ -133,9 +133,24 @@ def test_paired_bootstrap_known_cases():
     assert "polykv -0.02 [-0.02, -0.02]" in md and " tie" in md
 
 
+def test_leaders_known_cases():
+    """The leader is the best mean (FullKV aside); a method shifted by a constant is behind by
+    exactly that (paired), one equal on average but noisy ties; lower is better for KL."""
+    spread = lambda i: 0.1 + 0.05 * i
+    kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03,
+          "h2o": lambda i: spread(i) + (0.02 if i % 2 else -0.02)}
+    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80, "h2o": lambda i: 70 + 20 * (i % 2)}
+    got = report.leaders(fake_rows(kl, score), list(kl), [64], ["niah_single_1"])
+    assert got[0].startswith("B = 64, fidelity KL (n = 6): snapkv 0.225 ties h2o +0 [-0.0")
+    assert got[0].endswith("] | behind: tova +0.03 [+0.03, +0.03]")
+    assert got[2].startswith("B = 64, niah_single_1 (n = 6): tova 80 ties h2o +0 [-") and "behind: snapkv -30 [-30, -30]" in got[2]
+
+
 def test_torn_last_line_is_dropped_and_the_run_resumes(tmp_path, capsys):
     f = tmp_path / "samples.jsonl"
     f.write_text('{"key": "a", "x": 1}\n{"key": "b", "x": 2}\n{"key": "c", "x"')
+    text = f.read_text()                   # a report reads a live run's file: nothing is cut
+    assert [r["key"] for r in E.read_rows(f, repair=False)] == ["a", "b"] and f.read_text() == text
     rows = E.read_rows(f)
     assert [r["key"] for r in rows] == ["a", "b"]
     err = capsys.readouterr().err.strip()
