@@ -295,17 +295,21 @@ def ratio_length(config: dict):
 def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
     """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget (or, given the
     prompt `length`, the compression ratio length / budget), per method, with the 95 % interval
-    as a band (`styles`); one row of panels per protocol in the summary. evaluate.py checks for
-    matplotlib first."""
+    as a band (`styles`); one row of panels per protocol in the summary, a panel per measure the
+    run has. Returns the figure; evaluate.py checks for matplotlib first."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     style = styles(list(names), family)
     protocols = list(dict.fromkeys(protocol(d) for d in summary)) or ["prompt"]
-    fig, grid = plt.subplots(len(protocols), 2, figsize=(12, 4.5 * len(protocols)), squeeze=False)
+    panels = [(t, m, label) for t, m, label in [("fidelity", "kl", "fidelity KL (lower is better)"),
+                                                 ("answer", "dnll", "answer ΔNLL (lower is better)")]
+              if any(d["task"] == t and d["metric"] == m for d in summary)] or \
+        [("fidelity", "kl", "fidelity KL (lower is better)")]          # a run without one has no panel
+    fig, grid = plt.subplots(len(protocols), len(panels), figsize=(6 * len(panels), 4.5 * len(protocols)),
+                             squeeze=False)
     for axes, proto in zip(grid, protocols):
-        for ax, (task, metric, label) in zip(axes, [("fidelity", "kl", "fidelity KL (lower is better)"),
-                                                     ("answer", "dnll", "answer ΔNLL (lower is better)")]):
+        for ax, (task, metric, label) in zip(axes, panels):
             for n in names:
                 pts = sorted((length / d["budget"] if length else d["budget"], d["value"], d["ci_low"], d["ci_high"])
                              for d in summary if d["method"] == n and d["task"] == task and d["metric"] == metric
@@ -325,6 +329,7 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
     fig.tight_layout()
     fig.savefig(out / "budget_vs_score.png", dpi=120)
     print(f"plot: {out / 'budget_vs_score.png'}")
+    return fig
 
 
 def main(argv=None):

@@ -146,6 +146,19 @@ def test_leaders_known_cases():
     assert got[2].startswith("B = 64, niah_single_1 (n = 6): tova 80 ties h2o +0 [-") and "behind: snapkv -30 [-30, -30]" in got[2]
 
 
+def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
+    """A run without fidelity prompts (RULER only) plots its answer panel alone, with a legend."""
+    pytest.importorskip("matplotlib")
+    kl = {"full": lambda i: 0.0, "snapkv": lambda i: 0.1, "tova": lambda i: 0.2}
+    rows = [r for r in fake_rows(kl, {m: (lambda i: 50) for m in kl}) if r["task"] != "fidelity"]
+    summary = [{**d, "protocol": p} for p in ("prompt", "agnostic")
+               for d in report.summarize(rows, list(kl), [64], E.baselines())]
+    fig = report.plot(summary, list(kl), tmp_path)
+    assert len(fig.axes) == 2 and all("answer" in ax.get_title() for ax in fig.axes)
+    assert all(len(ax.get_lines()) == 2 and ax.get_legend() is not None for ax in fig.axes)
+    assert (tmp_path / "budget_vs_score.png").stat().st_size > 0
+
+
 def test_torn_last_line_is_dropped_and_the_run_resumes(tmp_path, capsys):
     f = tmp_path / "samples.jsonl"
     f.write_text('{"key": "a", "x": 1}\n{"key": "b", "x": 2}\n{"key": "c", "x"')
