@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from support.files import read_rows
+
 LOWER_IS_BETTER = {"kl", "dnll"}
 HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / LongBench score
 N_BOOT, SEED = 2000, 0
@@ -63,6 +65,13 @@ def values(rows: list) -> dict:
     return acc
 
 
+def aligned(per: dict) -> tuple:
+    """{method: {prompt: value}} -> (the prompts every method has, sorted; {method: (n,) array of
+    its values on them}): the paired sample the bootstrap resamples."""
+    prompts = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+    return prompts, {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}
+
+
 def resample_index(n: int, seed: int = SEED) -> np.ndarray:
     """(N_BOOT, n) prompt indices drawn with replacement; the same draw serves every method."""
     return np.random.default_rng(seed).integers(0, n, size=(N_BOOT, n))
@@ -82,11 +91,9 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
     out = []
     groups = sorted({k[1:] for k in acc})
     for budget, task, metric in groups:
-        per = {m: acc[(m, budget, task, metric)] for m in names if (m, budget, task, metric) in acc}
-        prompts = sorted(set.intersection(*(set(v) for v in per.values())))
+        prompts, X = aligned({m: acc[(m, budget, task, metric)] for m in names if (m, budget, task, metric) in acc})
         if not prompts:
             continue
-        X = {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}   # (n,)
         idx = resample_index(len(prompts))
         boot = {m: x[idx].mean(1) for m, x in X.items()}                                  # (N_BOOT,)
         sign = -1 if metric in LOWER_IS_BETTER else 1
@@ -222,11 +229,10 @@ def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
     out = []
     for b in budgets:
         for task, metric, label in headline_metrics(ruler_tasks):
-            per = {m: acc[(m, b, task, metric)] for m in names if m not in skip and (m, b, task, metric) in acc}
-            if len(per) < 2:
+            prompts, X = aligned({m: acc[(m, b, task, metric)] for m in names
+                                  if m not in skip and (m, b, task, metric) in acc})
+            if len(X) < 2:
                 continue
-            prompts = sorted(set.intersection(*(set(v) for v in per.values())))
-            X = {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}   # (n,)
             sign = -1 if metric in LOWER_IS_BETTER else 1
             top = max(X, key=lambda m: sign * X[m].mean())
             idx, ties, behind = resample_index(len(prompts)), [], []
@@ -374,7 +380,6 @@ def main(argv=None):
         if not files:
             flag = "--versus" if a.versus else "--leaders"
             sys.exit(f"error: {flag} needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
-        from support.files import read_rows
         samples = [r for f in files for r in read_rows(f, repair=False) if mine(r)]
         if a.versus and a.versus not in {r["method"] for r in samples}:
             sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")

@@ -11,12 +11,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from support import report  # noqa: E402
+from support.files import read_rows  # noqa: E402
 
 
 def rows(out: Path, suffix: str = "") -> list:
     """The per-sample rows of one run; with a suffix, its PolyKV rows alone, renamed (FullKV's
     and SnapKV's rows are the same in both runs)."""
-    got = [json.loads(line) for f in sorted(out.glob("samples*.jsonl")) for line in f.read_text().splitlines() if line]
+    got = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=False)]
     return [{**r, "method": r["method"] + suffix} for r in got if r["method"].startswith("polykv")] if suffix else got
 
 
