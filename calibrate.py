@@ -35,9 +35,13 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 - Calibration set: `tasks.calibration_texts`, passages of the *dev* split of Python's
   `pydoc_data.topics` (odd positions of the sorted topic keys, minus every paragraph that also
   occurs at an even position); the test split uses the even ones, so none is scored later.
-  Defaults: 2 passages of T = 2,048 tokens (the evaluation's length scale) plus n = 64 held-out
-  tokens; the seed picks the passages' offset. Cost: 2 prefills + L·(|pool| + 3)·2
-  single-layer probes (600 with the seven pool rules of the registry) + |pool|·2 uniform runs.
+  Defaults: 2 passages of T = 2,048 tokens (`PROMPT_LEN`, the evaluation's default length) plus
+  n = 64 held-out tokens; the seed picks the passages' offset. Longer prompts may be calibrated
+  at their own length (`--prompt-len`, `evaluate.py --calibration-length`; the files of other
+  lengths carry it in their name): served at 8,000 tokens, the paper's procedure did better
+  calibrated at 8,000, the joint one on answers better from 2,048 (docs/results-8k.md).
+  Cost: 2 prefills + L·(|pool| + 3)·2 single-layer probes (600 with the seven pool rules of
+  the registry) + |pool|·2 uniform runs, each about 4x dearer at 8,000 tokens than at 2,048.
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
@@ -83,6 +87,8 @@ from support.policy_tables import describe, plot
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
 TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
 TEXT_VERSION = "dev2"
+PROMPT_LEN = 2048           # calibration prompt tokens by default
+CONT_LEN = 64               # and held-out continuation tokens after each
 
 
 # ----------------------------------------------------------------------------- the calibration set
@@ -324,8 +330,8 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
 
 # ----------------------------------------------------------------------------- calibrate once, keep the file
 
-def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
-              cont_len: int = 64, preference: str = "cosine", sensitivity: str = "entropy",
+def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = PROMPT_LEN,
+              cont_len: int = CONT_LEN, preference: str = "cosine", sensitivity: str = "entropy",
               b_min=None, settings: RuleSettings = RuleSettings(), texts=None,
               model_name: str = "", log=None) -> Policy:
     """The paper's procedure: measure the signals on the calibration set once and build the
@@ -340,11 +346,14 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
                  settings=settings, meta=meta)
 
 
-def policy_path(model_name: str, budget: int, seed: int, cache_dir, procedure: str = "paper") -> Path:
-    """Where policy_for keeps the policy of (procedure, model name, budget, seed, calibration text)."""
+def policy_path(model_name: str, budget: int, seed: int, cache_dir, procedure: str = "paper",
+                prompt_len: int = PROMPT_LEN) -> Path:
+    """Where policy_for keeps the policy of (procedure, model name, budget, seed, calibration text,
+    calibration prompt length); the default length's files carry no length in their name."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
     kind = "polykv" if procedure == "paper" else f"polykv-{procedure}"
-    return Path(cache_dir) / f"{kind}-{name}-B{budget}-seed{seed}-{TEXT_VERSION}.json"
+    length = "" if prompt_len == PROMPT_LEN else f"-T{prompt_len}"
+    return Path(cache_dir) / f"{kind}-{name}-B{budget}{length}-seed{seed}-{TEXT_VERSION}.json"
 
 
 def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_dir="runs/policies",
@@ -353,7 +362,7 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
     load it. kw: the procedure's own arguments (PROCEDURES)."""
     if procedure not in PROCEDURES:
         raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
-    path = policy_path(model_name, budget, seed, cache_dir, procedure)
+    path = policy_path(model_name, budget, seed, cache_dir, procedure, kw.get("prompt_len", PROMPT_LEN))
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}
@@ -629,8 +638,8 @@ def build_joint(sig: dict, budget: int, settings: RuleSettings = RuleSettings(),
 JOINT_PROBES, JOINT_RETRIEVAL = 4, "constraint"   # the default objective (docs/polykv.md, dev table)
 
 
-def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = 2048,
-                    cont_len: int = 64, signal: str = "cosine", needles: int = 0, probes: int = JOINT_PROBES,
+def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = PROMPT_LEN,
+                    cont_len: int = CONT_LEN, signal: str = "cosine", needles: int = 0, probes: int = JOINT_PROBES,
                     retrieval=JOINT_RETRIEVAL, settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
                     model_name: str = "", log=None) -> Policy:
     """The joint procedure on the calibration set (texts: as in `calibrate`). needles: that
@@ -675,7 +684,7 @@ def shuffled(policy: Policy, n: int, seed: int = 0) -> list:
 
 @torch.no_grad()
 def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "dev", n_prompts: int = 4,
-                      prompt_len: int = 2048, cont_len: int = 64, seed: int = 0, texts=None, log=None) -> dict:
+                      prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN, seed: int = 0, texts=None, log=None) -> dict:
     """Fidelity KL (evaluate.py's, at equal memory: decode budgets grow by the continuation) of
     the calibrated route and of n `shuffled` ones on n_prompts natural-text passages of `split`
     (tasks.fidelity_text with `seed`; texts: given [(prompt_ids, cont_ids)] instead); rank 1 =
@@ -708,8 +717,8 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="the policy file (default policy.json)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--n-prompts", type=int, default=2)
-    ap.add_argument("--prompt-len", type=int, default=2048)
-    ap.add_argument("--cont-len", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
+    ap.add_argument("--cont-len", type=int, default=CONT_LEN)
     ap.add_argument("--procedure", choices=PROCEDURES, default="paper",
                     help="paper: each layer probed alone (the paper); joint: every choice scored "
                          "with the other layers compressed (past the paper)")

@@ -56,6 +56,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import sys
 import time
@@ -212,14 +213,16 @@ class Methods:
             if self.args.policy:
                 self.policies[key] = P.Policy.load(self.args.policy, n_layers=self.L)
             else:
+                T = self.args.calibration_length
                 path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
-                                             procedure)
+                                             procedure, T)
                 print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
-                      f"calibrating once into {path} (about 3-5 min on 2 CPU cores)"), flush=True)
+                      f"calibrating once on {T}-token prompts into {path} (on 2 CPU cores about 4-9 min "
+                      f"at 2,048 tokens, 4x that at 8,000)"), flush=True)
                 log = lambda s: print(f"polykv {procedure} calibration B={budget}: {s}", flush=True)
                 self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
                                                           self.args.seed, Path(self.args.cache_dir), log=log,
-                                                          procedure=procedure)
+                                                          procedure=procedure, prompt_len=T)
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
@@ -412,6 +415,10 @@ def build_items(tok, args, model):
         for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
             ids = tok.encode(s.prompt, add_special_tokens=not s.templated)
             items.append(Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None))
+    calibrated = [n for n in args.methods if n in calibrate.VARIANTS]
+    if calibrated and not args.policy and args.calibration_length + calibrate.CONT_LEN > model.config.max_seq_len:
+        raise UsageError(f"--calibration-length {args.calibration_length} (+{calibrate.CONT_LEN} continuation tokens) "
+                         f"is longer than the model's maximum ({model.config.max_seq_len})")
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
             raise UsageError(f"{it.task} prompt of {it.tokens.shape[1]} tokens is longer than the "
@@ -459,6 +466,9 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache-dir", default=str(M.default_model_dir().parent / "policies"))
+    ap.add_argument("--calibration-length", type=int, default=calibrate.PROMPT_LEN,
+                    help="tokens per PolyKV calibration prompt (default 2,048 whatever --length is: "
+                         "at 8K the paper's procedure did better calibrated at 8K, docs/results-8k.md)")
     ap.add_argument("--plot", action="store_true", help="budget-vs-score PNG (needs matplotlib)")
     ap.add_argument("--report", action="store_true",
                     help="run nothing: summarize the prompts of --out whose every row is finished (a "
@@ -466,6 +476,8 @@ def parse(argv):
     ap.add_argument("--threads", type=int, default=None,
                     help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)")
     args = ap.parse_args(argv)
+    if args.report and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        raise UsageError("--report runs in one process (no torchrun)")
     if args.methods is None:
         args.methods = ",".join(default_methods(args.suite))
     args.methods = method_list(args.methods)
@@ -519,7 +531,6 @@ def parse(argv):
 def distributed(args):
     """(rank, world size): under `torchrun --nproc_per_node N evaluate.py ...` each rank joins
     one process group (gloo on CPU, nccl on GPU: rank r uses cuda:LOCAL_RANK); else (0, 1)."""
-    import os
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
@@ -557,6 +568,8 @@ def main(argv=None):
     keyed["dtype"] = str(m.dtype)
     if args.greedy is not None:                       # (absent by default: earlier runs keep their folders)
         keyed["greedy"] = args.greedy
+    if args.calibration_length != calibrate.PROMPT_LEN:                 # (likewise)
+        keyed["calibration_length"] = args.calibration_length
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
     out.mkdir(parents=True, exist_ok=True)
     config = {**keyed, "budgets": args.budget, "methods": args.methods, "protocols": args.protocol,
@@ -573,8 +586,6 @@ def main(argv=None):
     done = {r["key"] for r in rows}
     every = lambda it: {k for n in args.methods for b in args.budget for p in args.protocol for k in keys(n, b, it, p)}
     if args.report:                       # the prompts every row of which is there, nothing run
-        if world > 1:
-            raise UsageError("--report runs in one process (no torchrun)")
         finished = [it for it in items if every(it) <= done]
         wanted = set().union(*map(every, finished))
         rows = [r for r in rows if r["key"] in wanted]

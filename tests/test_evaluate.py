@@ -228,6 +228,21 @@ def test_cli_errors_are_one_line(argv, msg):
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.strip().startswith(msg)
 
 
+def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any_work(tiny_dir, tmp_path,
+                                                                                     monkeypatch):
+    out = tmp_path / "a"
+    out.mkdir()
+    (out / "samples.jsonl").write_text('{"key": "kept"}\n')
+    with pytest.raises(M.UsageError, match=r"--calibration-length 1000 \(\+64 continuation tokens\) is longer "
+                                           r"than the model's maximum \(1024\)"):
+        run(tiny_dir, out, "--calibration-length", "1000")
+    assert (out / "samples.jsonl").read_text() == '{"key": "kept"}\n' and [f.name for f in out.iterdir()] == ["samples.jsonl"]
+    run(tiny_dir, tmp_path / "b", "--calibration-length", "1000", "--methods", "full,snapkv")   # no PolyKV row: no check
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(M.UsageError, match=r"--report runs in one process \(no torchrun\)"):
+        E.parse(["--report"])
+
+
 def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
     """torchrun --nproc_per_node 2 (gloo, CPU): every item written once, by one rank, and the
     merged summary equals a single process's (rows identical apart from time)."""

@@ -92,6 +92,14 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     pol.save(C.policy_path("x", B, 0, tmp_path, "joint"))
     with pytest.raises(M.UsageError, match="retrieval=None \\(asked 'constraint'\\)"):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint")
+    # the calibration length: the default's files keep their names; another length has its own
+    # file, and a file calibrated at one length is refused under another's name
+    assert C.policy_path("x", B, 0, tmp_path, "joint-text", C.PROMPT_LEN) == C.policy_path("x", B, 0, tmp_path, "joint-text")
+    longer = C.policy_path("x", B, 0, tmp_path, "joint-text", 8000)
+    assert longer.name == f"polykv-joint-text-x-B{B}-T8000-seed0-{C.TEXT_VERSION}.json"
+    pol.save(longer)
+    with pytest.raises(M.UsageError, match=f"prompt_len={pol.meta['calibration']['prompt_len']} \\(asked 8000\\)"):
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text", prompt_len=8000)
     with pytest.raises(SystemExit, match="joint procedures only"):
         C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])
 
