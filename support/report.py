@@ -213,8 +213,8 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
                 other = acc.get((m, b, task, metric))
                 if m == ref or other is None:
                     continue
-                prompts = sorted(set(base) & set(other))
-                d = np.array([other[p] - base[p] for p in prompts], dtype=float)     # (n,) paired
+                _, X = aligned({ref: base, m: other})
+                d = X[m] - X[ref]                                           # (n,) paired
                 lo, hi = interval(d[resample_index(len(d))].mean(1))
                 parts.append(f"{m} {d.mean():+.4g} [{lo:+.4g}, {hi:+.4g}]" + (" tie" if lo <= 0 <= hi else ""))
             out.append(f"B = {b}, {label} minus {ref}, paired 95 % CI: " + "; ".join(parts))
