@@ -40,6 +40,10 @@ A fair comparison (docs/protocol.md):
   `niah_single_1` prompts at budgets 64, 128, 512 and 1024, the default methods plus PolyKV's
   joint calibration and its ablations: the README's headline run.
 
+PolyKV's rows use a calibrated policy: `--policy FILE`, else one calibration per budget and
+procedure on 2,048-token dev prompts whatever --length is (`--calibration-length T` for others),
+cached in --cache-dir under a name that says budget, procedure, seed and length.
+
 `torchrun --nproc_per_node N evaluate.py ...` shards the items over N processes (gloo on CPU,
 nccl on GPU, one GPU per rank): rank 0 calibrates, the items left to do are dealt round-robin,
 rank r appends to OUT/samples.rank{r}.jsonl, and rank 0 merges every samples*.jsonl into the
