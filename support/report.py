@@ -1,6 +1,7 @@
 """The benchmark's report: flat summary rows with paired bootstrap intervals, the Markdown table,
-each method's difference to the best uniform rule, PolyKV's gap recovered, the progress line
-and the budget-vs-score plot (docs/protocol.md). Pure functions of the per-sample rows that
+each method's difference to the best uniform rule, PolyKV's gap recovered, each method against
+one (`versus`) and the leader of each measure (`leading`: lines, a Markdown table), the progress
+line and the budget-vs-score plot (docs/protocol.md). Pure functions of the per-sample rows that
 evaluate.py writes to samples.jsonl.
 
 Uncertainty (docs/protocol.md): every mean gets a 95 % percentile bootstrap
@@ -221,10 +222,11 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
     return out
 
 
-def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
+def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
     """From per-sample rows: per budget and headline metric, the method with the best mean (FullKV
     aside) and every other method minus it over the prompts all share, paired 95 % bootstrap
-    interval; the methods whose interval contains 0 tie the leader ('leads' when none does)."""
+    interval; the methods whose interval contains 0 tie the leader. Returns dicts {budget,
+    label, n, top, mean, ties, behind}, ties and behind [(method, diff, lo, hi)] best first."""
     acc = values(rows)
     out = []
     for b in budgets:
@@ -240,11 +242,34 @@ def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
                 if m == top:
                     continue
                 lo, hi = interval((X[m] - X[top])[idx].mean(1))
-                (ties if lo <= 0 <= hi else behind).append(f"{m} {X[m].mean() - X[top].mean():+.4g} [{lo:+.4g}, {hi:+.4g}]")
-            out.append(f"B = {b}, {label} (n = {len(prompts)}): {top} {X[top].mean():.4g} "
-                       + ("leads" if not ties else "ties " + "; ".join(ties))
-                       + (" | behind: " + "; ".join(behind) if behind else ""))
+                (ties if lo <= 0 <= hi else behind).append((m, X[m].mean() - X[top].mean(), lo, hi))
+            out.append({"budget": b, "label": label, "n": len(prompts), "top": top, "mean": X[top].mean(),
+                        "ties": ties, "behind": behind})
     return out
+
+
+def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
+    """`leading` as one line per budget and headline metric: the leader, its ties, the rest."""
+    diffs = lambda xs: "; ".join(f"{m} {d:+.4g} [{lo:+.4g}, {hi:+.4g}]" for m, d, lo, hi in xs)
+    return [f"B = {d['budget']}, {d['label']} (n = {d['n']}): {d['top']} {d['mean']:.4g} "
+            + ("leads" if not d["ties"] else "ties " + diffs(d["ties"]))
+            + (" | behind: " + diffs(d["behind"]) if d["behind"] else "")
+            for d in leading(rows, names, budgets, ruler_tasks, skip)]
+
+
+def leaders_table(rows: list, names, budgets, ruler_tasks, length=None, skip=("full",)) -> str:
+    """`leading` as a Markdown table: a row per headline metric, a column per budget (its
+    compression ratio when the prompt length is given); a cell holds the leader, its mean and the
+    methods that tie it ('alone' when none does), with the number of prompts."""
+    got = leading(rows, names, budgets, ruler_tasks, skip)
+    head = [f"B = {b}" + (f" ({length / b:.0f}×)" if length else "") for b in budgets]
+    lines = ["| measure | " + " | ".join(head) + " |", "|---" * (len(budgets) + 1) + "|"]
+    for label in dict.fromkeys(d["label"] for d in got):
+        by = {d["budget"]: d for d in got if d["label"] == label}
+        cell = lambda d: "" if d is None else f"{d['top']} {d['mean']:.3g}" + (
+            "; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone") + f" (n = {d['n']})"
+        lines.append(f"| {label} | " + " | ".join(cell(by.get(b)) for b in budgets) + " |")
+    return "\n".join(lines)
 
 
 def progress(rows, item, names, budget, i, n, eta) -> str:
@@ -342,7 +367,8 @@ def main(argv=None):
     """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--protocol P]
     [--no-diff] [--versus METHOD] [--plot]`: the table of a finished run again, for a subset of its
     rows (one protocol: the run's first unless named); --versus
-    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD;
+    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD,
+    --leaders the leader of each measure and who ties it (lines, then a Markdown table);
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
     import argparse
@@ -387,6 +413,7 @@ def main(argv=None):
             print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
         if a.leaders:
             print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
+            print("\n" + leaders_table(samples, names, budgets, cfg["tasks"], ratio_length(cfg)))
     if a.plot:
         try:
             import matplotlib  # noqa: F401

@@ -144,6 +144,10 @@ def test_leaders_known_cases():
     assert got[0].startswith("B = 64, fidelity KL (n = 6): snapkv 0.225 ties h2o +0 [-0.0")
     assert got[0].endswith("] | behind: tova +0.03 [+0.03, +0.03]")
     assert got[2].startswith("B = 64, niah_single_1 (n = 6): tova 80 ties h2o +0 [-") and "behind: snapkv -30 [-30, -30]" in got[2]
+    table = report.leaders_table(fake_rows(kl, score), list(kl), [64], ["niah_single_1"], length=8000).splitlines()
+    assert table[0] == "| measure | B = 64 (125×) |"
+    assert table[2:] == ["| fidelity KL | snapkv 0.225; h2o (n = 6) |", "| answer ΔNLL | snapkv 0.45; h2o (n = 6) |",
+                         "| niah_single_1 | tova 80; h2o (n = 6) |"]
 
 
 def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
