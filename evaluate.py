@@ -220,6 +220,9 @@ class Methods:
                 T = self.args.calibration_length
                 path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
                                              procedure, T)
+                if not path.exists() and T + calibrate.CONT_LEN > self.model.config.max_seq_len:
+                    raise UsageError(f"--calibration-length {T} (+{calibrate.CONT_LEN} continuation tokens) is "
+                                     f"longer than the model's maximum ({self.model.config.max_seq_len})")
                 print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
                       f"calibrating once on {T}-token prompts into {path} (on 2 CPU cores about 4-9 min "
                       f"at 2,048 tokens, 4x that at 8,000)"), flush=True)
@@ -419,10 +422,6 @@ def build_items(tok, args, model):
         for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
             ids = tok.encode(s.prompt, add_special_tokens=not s.templated)
             items.append(Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None))
-    calibrated = [n for n in args.methods if n in calibrate.VARIANTS]
-    if calibrated and not args.policy and args.calibration_length + calibrate.CONT_LEN > model.config.max_seq_len:
-        raise UsageError(f"--calibration-length {args.calibration_length} (+{calibrate.CONT_LEN} continuation tokens) "
-                         f"is longer than the model's maximum ({model.config.max_seq_len})")
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
             raise UsageError(f"{it.task} prompt of {it.tokens.shape[1]} tokens is longer than the "
