@@ -198,10 +198,10 @@ def diff_lines(summary, names, budgets, ruler_tasks) -> list:
     return out
 
 
-def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
+def against(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
     """From per-sample rows: each method minus `ref` per budget and headline metric, over the
-    prompts both have, with its paired 95 % bootstrap interval ('tie' when it contains 0) —
-    an ablation read against the method it ablates."""
+    prompts both have, with its paired 95 % bootstrap interval — an ablation read against the
+    method it ablates. Returns dicts {budget, label, diffs: [(method, diff, lo, hi)]}."""
     acc = values(rows)
     out = []
     for b in budgets:
@@ -209,17 +209,42 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
             base = acc.get((ref, b, task, metric))
             if base is None:
                 continue
-            parts = []
+            diffs = []
             for m in names:
                 other = acc.get((m, b, task, metric))
                 if m == ref or other is None:
                     continue
                 _, X = aligned({ref: base, m: other})
                 d = X[m] - X[ref]                                           # (n,) paired
-                lo, hi = interval(d[resample_index(len(d))].mean(1))
-                parts.append(f"{m} {d.mean():+.4g} [{lo:+.4g}, {hi:+.4g}]" + (" tie" if lo <= 0 <= hi else ""))
-            out.append(f"B = {b}, {label} minus {ref}, paired 95 % CI: " + "; ".join(parts))
+                diffs.append((m, d.mean(), *interval(d[resample_index(len(d))].mean(1))))
+            out.append({"budget": b, "label": label, "diffs": diffs})
     return out
+
+
+def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
+    """`against` as one line per budget and headline metric ('tie' when the interval contains 0)."""
+    return [f"B = {d['budget']}, {d['label']} minus {ref}, paired 95 % CI: "
+            + "; ".join(f"{m} {x:+.4g} [{lo:+.4g}, {hi:+.4g}]" + (" tie" if lo <= 0 <= hi else "")
+                        for m, x, lo, hi in d["diffs"])
+            for d in against(rows, ref, names, budgets, ruler_tasks)]
+
+
+def versus_table(rows: list, ref: str, names, budgets, ruler_tasks, length=None) -> str:
+    """`against` as a Markdown table: a row per headline metric and budget (its ratio when the
+    prompt length is given), a column per method: difference [interval], 2 decimals."""
+    got = against(rows, ref, names, budgets, ruler_tasks)
+    cols = [m for m in names if any(m == x[0] for d in got for x in d["diffs"])]
+    num = lambda x: f"{x:+.2f}".replace("-", "−")
+    lines = ["| measure | budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
+    for label in dict.fromkeys(d["label"] for d in got):
+        for d in (d for d in got if d["label"] == label):
+            by = {m: (x, lo, hi) for m, x, lo, hi in d["diffs"]}
+            cell = lambda v: "" if v is None else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (
+                " tie" if v[1] <= 0 <= v[2] else "")
+            b = d["budget"]
+            lines.append(f"| {label} | {b}" + (f" ({length / b:.0f}×)" if length else "") + " | "
+                         + " | ".join(cell(by.get(m)) for m in cols) + " |")
+    return "\n".join(lines)
 
 
 def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
@@ -367,7 +392,8 @@ def main(argv=None):
     """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--protocol P]
     [--no-diff] [--versus METHOD] [--plot]`: the table of a finished run again, for a subset of its
     rows (one protocol: the run's first unless named); --versus
-    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD,
+    reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD
+    (lines, then a Markdown table),
     --leaders the leader of each measure and who ties it (lines, then a Markdown table);
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
@@ -411,6 +437,7 @@ def main(argv=None):
             sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
         if a.versus:
             print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
+            print("\n" + versus_table(samples, a.versus, names, budgets, cfg["tasks"], ratio_length(cfg)))
         if a.leaders:
             print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
             print("\n" + leaders_table(samples, names, budgets, cfg["tasks"], ratio_length(cfg)))

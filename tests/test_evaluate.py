@@ -298,6 +298,11 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
         report.main([str(f), "--versus", "gracekv"])
     (tmp_path / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     report.main([str(f), "--versus", "gracekv"])
-    assert "fidelity KL minus gracekv, paired 95 % CI: gracekv-hbar +0.03 [+0.03, +0.03]" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "fidelity KL minus gracekv, paired 95 % CI: gracekv-hbar +0.03 [+0.03, +0.03]" in out
+    table = report.versus_table(rows, "gracekv", list(kl), [64], ["niah_single_1"]).splitlines()
+    assert table[0] == "| measure | budget | gracekv-hbar | gracekv-unit |" and table[-3] in out
+    assert table[2].startswith("| fidelity KL | 64 | +0.03 [+0.03, +0.03] | ") and table[2].endswith(" tie |")
+    assert table[3].startswith("| answer ΔNLL | 64 | +0.06 [+0.06, +0.06] | ")
     with pytest.raises(SystemExit, match="no such method"):
         report.main([str(f), "--versus", "snapkv"])
