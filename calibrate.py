@@ -35,13 +35,9 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 - Calibration set: `tasks.calibration_texts`, passages of the *dev* split of Python's
   `pydoc_data.topics` (odd positions of the sorted topic keys, minus every paragraph that also
   occurs at an even position); the test split uses the even ones, so none is scored later.
-  Defaults: 2 passages of T = 2,048 tokens (`PROMPT_LEN`, the evaluation's default length) plus
-  n = 64 held-out tokens; the seed picks the passages' offset. Longer prompts may be calibrated
-  at their own length (`--prompt-len`, `evaluate.py --calibration-length`; the files of other
-  lengths carry it in their name): served at 8,000 tokens, the paper's procedure did better
-  calibrated at 8,000, the joint one on answers better from 2,048 (docs/results-8k.md).
-  Cost: 2 prefills + L·(|pool| + 3)·2 single-layer probes (600 with the seven pool rules of
-  the registry) + |pool|·2 uniform runs, each about 4x dearer at 8,000 tokens than at 2,048.
+  Defaults: 2 passages of T = 2,048 tokens (`PROMPT_LEN`; at 8K the paper's procedure needs 8K
+  prompts, docs/results-8k.md) + n = 64 held-out tokens; the seed picks the offset. Cost: 2 prefills
+  + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool) + |pool|·2 uniform runs (4x at 8K).
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
@@ -82,13 +78,12 @@ from polykv import LayerPolicy, Policy, RuleSettings, largest_remainder
 from support import tasks
 from support.errors import UsageError
 from support.files import write_atomic
-from support.policy_tables import describe, plot
+from support.policy_tables import describe, placement, plot
 
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
 TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
 TEXT_VERSION = "dev2"
-PROMPT_LEN = 2048           # calibration prompt tokens by default
-CONT_LEN = 64               # and held-out continuation tokens after each
+PROMPT_LEN, CONT_LEN = 2048, 64     # calibration prompt and held-out continuation tokens, by default
 
 
 # ----------------------------------------------------------------------------- the calibration set
@@ -346,10 +341,8 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
                  settings=settings, meta=meta)
 
 
-def policy_path(model_name: str, budget: int, seed: int, cache_dir, procedure: str = "paper",
-                prompt_len: int = PROMPT_LEN) -> Path:
-    """Where policy_for keeps the policy of (procedure, model name, budget, seed, calibration text,
-    calibration prompt length); the default length's files carry no length in their name."""
+def policy_path(model_name: str, budget: int, seed: int, cache_dir, procedure="paper", prompt_len=PROMPT_LEN) -> Path:
+    """Where policy_for keeps the policy of (procedure, model, budget, seed, text, prompt length ≠ default)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
     kind = "polykv" if procedure == "paper" else f"polykv-{procedure}"
     length = "" if prompt_len == PROMPT_LEN else f"-T{prompt_len}"
@@ -755,9 +748,7 @@ def main(argv=None):
             for f, pol in zip(a.show, pols):
                 r = placement_control(m, tok, pol, a.shuffle, a.split, a.n_prompts, a.prompt_len, a.cont_len,
                                       a.seed, log=print)
-                print(f"{f}: fidelity KL {r['route_kl']:.4f}, rank {r['rank']} of {a.shuffle + 1} "
-                      f"(shuffled: min {min(r['shuffled_kl']):.4f}, median "
-                      f"{sorted(r['shuffled_kl'])[a.shuffle // 2]:.4f}, max {max(r['shuffled_kl']):.4f})")
+                print(f"{f}: {placement(r)}")
                 res.append({"policy": str(f), **r})
             if a.out:
                 write_atomic(a.out, json.dumps(res, indent=1))

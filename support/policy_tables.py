@@ -38,6 +38,13 @@ def procedure(policy) -> str:
     return name
 
 
+def placement(r: dict) -> str:
+    """One line of calibrate.placement_control's result: the route's KL, its rank, the shuffled spread."""
+    kls = r["shuffled_kl"]
+    return (f"fidelity KL {r['route_kl']:.4f}, rank {r['rank']} of {len(kls) + 1} (shuffled: min {min(kls):.4f}, "
+            f"median {sorted(kls)[len(kls) // 2]:.4f}, max {max(kls):.4f})")
+
+
 def plot(policies: list, path, pool=()) -> str:
     """Bars: prefill budget per layer, coloured by the prefill rule; one panel per policy (e.g.
     the paper's and the joint procedure's). pool: the rules to give colours first (the
