@@ -229,21 +229,24 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
             for d in against(rows, ref, names, budgets, ruler_tasks)]
 
 
+def budget_label(b: int, length=None) -> str:
+    """A budget, with its compression ratio when the prompt length is given: '64 (125×)'."""
+    return f"{b}" + (f" ({length / b:.0f}×)" if length else "")
+
+
 def versus_table(rows: list, ref: str, names, budgets, ruler_tasks, length=None) -> str:
     """`against` as a Markdown table: a row per headline metric and budget (its ratio when the
     prompt length is given), a column per method: difference [interval], 2 decimals."""
     got = against(rows, ref, names, budgets, ruler_tasks)
+    labels = list(dict.fromkeys(d["label"] for d in got))
     cols = [m for m in names if any(m == x[0] for d in got for x in d["diffs"])]
     num = lambda x: f"{x:+.2f}".replace("-", "−")
+    cell = lambda v: "" if v is None else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (" tie" if v[1] <= 0 <= v[2] else "")
     lines = ["| measure | budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
-    for label in dict.fromkeys(d["label"] for d in got):
-        for d in (d for d in got if d["label"] == label):
-            by = {m: (x, lo, hi) for m, x, lo, hi in d["diffs"]}
-            cell = lambda v: "" if v is None else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (
-                " tie" if v[1] <= 0 <= v[2] else "")
-            b = d["budget"]
-            lines.append(f"| {label} | {b}" + (f" ({length / b:.0f}×)" if length else "") + " | "
-                         + " | ".join(cell(by.get(m)) for m in cols) + " |")
+    for d in sorted(got, key=lambda d: labels.index(d["label"])):       # measure by measure (stable)
+        by = {m: (x, lo, hi) for m, x, lo, hi in d["diffs"]}
+        lines.append(f"| {d['label']} | {budget_label(d['budget'], length)} | "
+                     + " | ".join(cell(by.get(m)) for m in cols) + " |")
     return "\n".join(lines)
 
 
@@ -287,7 +290,7 @@ def leaders_table(rows: list, names, budgets, ruler_tasks, length=None, skip=("f
     compression ratio when the prompt length is given); a cell holds the leader, its mean and the
     methods that tie it ('alone' when none does), with the number of prompts."""
     got = leading(rows, names, budgets, ruler_tasks, skip)
-    head = [f"B = {b}" + (f" ({length / b:.0f}×)" if length else "") for b in budgets]
+    head = [f"B = {budget_label(b, length)}" for b in budgets]
     lines = ["| measure | " + " | ".join(head) + " |", "|---" * (len(budgets) + 1) + "|"]
     for label in dict.fromkeys(d["label"] for d in got):
         by = {d["budget"]: d for d in got if d["label"] == label}
