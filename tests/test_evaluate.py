@@ -9,7 +9,7 @@ import torch
 
 import evaluate as E
 import model as M
-from support import report
+from support import compare, report
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -140,11 +140,11 @@ def test_leaders_known_cases():
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03,
           "h2o": lambda i: spread(i) + (0.02 if i % 2 else -0.02)}
     score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80, "h2o": lambda i: 70 + 20 * (i % 2)}
-    got = report.leaders(fake_rows(kl, score), list(kl), [64], ["niah_single_1"])
+    got = compare.leaders(fake_rows(kl, score), list(kl), [64], ["niah_single_1"])
     assert got[0].startswith("B = 64, fidelity KL (n = 6): snapkv 0.225 ties h2o +0 [-0.0")
     assert got[0].endswith("] | behind: tova +0.03 [+0.03, +0.03]")
     assert got[2].startswith("B = 64, niah_single_1 (n = 6): tova 80 ties h2o +0 [-") and "behind: snapkv -30 [-30, -30]" in got[2]
-    table = report.leaders_table(fake_rows(kl, score), list(kl), [64], ["niah_single_1"], length=8000).splitlines()
+    table = compare.leaders_table(fake_rows(kl, score), list(kl), [64], ["niah_single_1"], length=8000).splitlines()
     assert table[0] == "| measure | B = 64 (125×) |"
     assert table[2:] == ["| fidelity KL | snapkv 0.225; h2o (n = 6) |", "| answer ΔNLL | snapkv 0.45; h2o (n = 6) |",
                          "| niah_single_1 | tova 80; h2o (n = 6) |"]
@@ -286,7 +286,7 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     kl = {"gracekv": spread, "gracekv-hbar": lambda i: spread(i) + 0.03, "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01}
     score = {"gracekv": lambda i: 50, "gracekv-hbar": lambda i: 50, "gracekv-unit": lambda i: 100 * (i % 2)}
     rows = fake_rows(kl, score)
-    lines = report.versus(rows, "gracekv", list(kl), [64], ["niah_single_1"])
+    lines = compare.versus(rows, "gracekv", list(kl), [64], ["niah_single_1"])
     assert "gracekv-hbar +0.03 [+0.03, +0.03]" in lines[0] and "gracekv-unit" in lines[0]
     assert lines[0].split("gracekv-unit ")[1].endswith("tie")
     assert "gracekv-hbar +0.06 [+0.06, +0.06]" in lines[1]            # answer ΔNLL = 2·kl
@@ -300,7 +300,7 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     report.main([str(f), "--versus", "gracekv"])
     out = capsys.readouterr().out
     assert "fidelity KL minus gracekv, paired 95 % CI: gracekv-hbar +0.03 [+0.03, +0.03]" in out
-    table = report.versus_table(rows, "gracekv", list(kl), [64], ["niah_single_1"]).splitlines()
+    table = compare.versus_table(rows, "gracekv", list(kl), [64], ["niah_single_1"]).splitlines()
     assert table[0] == "| measure | budget | gracekv-hbar | gracekv-unit |" and table[-3] in out
     assert table[2].startswith("| fidelity KL | 64 | +0.03 [+0.03, +0.03] | ") and table[2].endswith(" tie |")
     assert table[3].startswith("| answer ΔNLL | 64 | +0.06 [+0.06, +0.06] | ")
