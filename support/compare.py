@@ -1,13 +1,83 @@
-"""Comparisons read from the per-sample rows (`python -m support.report SUMMARY --versus M`,
-`--leaders`): each method minus one method (`against`: an ablation read against what it
-ablates), and the leader of each headline measure with the methods that tie it (`leading`);
-each as lines and as a Markdown table. Every difference is paired — the same bootstrap draw of
-prompts for both methods (support/report.py) — and a difference whose 95 % interval contains 0
-is a tie.
+"""The paired statistics of the per-sample rows and the comparisons read from them: each row's
+values per (method, budget, task, metric), the prompts every method shares, the bootstrap
+draw; each method minus one method (`against`: an ablation read against what it ablates), and
+the leader of each headline measure with the methods that tie it (`leading`), each as lines and
+as a Markdown table (`python -m support.report SUMMARY --versus M`, `--leaders`).
+
+Uncertainty (docs/protocol.md): every mean gets a 95 % percentile bootstrap
+interval over prompts, *paired* — each resample draws one set of prompts and every method is
+averaged over those same prompts — so differences between methods get their own, narrower,
+intervals. A difference whose interval contains 0 is a tie.
 """
 from __future__ import annotations
 
-from support.report import LOWER_IS_BETTER, aligned, headline_metrics, interval, resample_index, values
+import numpy as np
+
+LOWER_IS_BETTER = {"kl", "dnll"}
+N_BOOT, SEED = 2000, 0
+
+
+def values(rows: list) -> dict:
+    """(method, budget, task, metric) -> {prompt: value}; RULER rows also feed the `answer`
+    task (answer fidelity) and every row the `memory` and `time` tasks. A multi-question prompt's
+    later questions (rows with turn >= 1) go to "TASK later" and "answer later", their mean per
+    prompt (the bootstrap resamples prompts, not questions that share a context), and the
+    prompt's first minus that mean to "TASK spread" and "answer spread" (multi-question reuse)."""
+    acc, later = {}, {}
+    for r in rows:
+        turn = r.get("turn", 0)
+        prompt = (r["task"], r["length"], r["index"])
+
+        def put(task, metric, v):
+            if turn:
+                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt, []).append(v)
+            else:
+                acc.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
+        if r["task"] == "fidelity":
+            for m in ("kl", "dnll", "top1"):
+                put("fidelity", m, r[m])
+        else:
+            if "score" in r:
+                put(r["task"], r.get("metric", "string_match_all"), r["score"])
+            if "kl" in r:
+                for m in ("kl", "dnll"):
+                    put("answer", m, r[m])
+        if turn:
+            continue
+        for m in ("kv_fraction", "peak_fraction", "alloc_fraction"):
+            if m in r:
+                put("memory", m, r[m])
+        if "compress_s" in r:
+            put("time", "compress_s", r["compress_s"])
+    for (m, b, task, metric), per in later.items():          # one value per prompt: its later questions' mean
+        first = acc.get((m, b, task, metric), {})
+        acc[(m, b, task + " later", metric)] = {p: sum(v) / len(v) for p, v in per.items()}
+        acc[(m, b, task + " spread", metric)] = {p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first}
+    return acc
+
+
+def aligned(per: dict) -> tuple:
+    """{method: {prompt: value}} -> (the prompts every method has, sorted; {method: (n,) array of
+    its values on them}): the paired sample the bootstrap resamples."""
+    prompts = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
+    return prompts, {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}
+
+
+def resample_index(n: int, seed: int = SEED) -> np.ndarray:
+    """(N_BOOT, n) prompt indices drawn with replacement; the same draw serves every method."""
+    return np.random.default_rng(seed).integers(0, n, size=(N_BOOT, n))
+
+
+def interval(x: np.ndarray) -> tuple:
+    lo, hi = np.percentile(x, [2.5, 97.5])
+    return float(lo), float(hi)
+
+
+def headline_metrics(ruler_tasks) -> list:
+    """(task, metric, label) of the headline comparisons: fidelity KL, answer ΔNLL, each RULER score."""
+    return [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")] + \
+        [(t, "string_match_all", t) for t in ruler_tasks]
+
 
 
 def against(rows: list, ref: str, names, budgets, ruler_tasks) -> list:

@@ -1,13 +1,8 @@
 """The benchmark's report: flat summary rows with paired bootstrap intervals, the Markdown table,
 each method's difference to the best uniform rule, PolyKV's gap recovered, the progress line and
 the budget-vs-score plot (docs/protocol.md). Pure functions of the per-sample rows that
-evaluate.py writes to samples.jsonl; the comparisons read from them (each method against one,
-the leader of each measure) are in support/compare.py.
-
-Uncertainty (docs/protocol.md): every mean gets a 95 % percentile bootstrap
-interval over prompts, *paired* — each resample draws one set of prompts and every method is
-averaged over those same prompts — so differences between methods get their own, narrower,
-intervals. A difference whose interval contains 0 is a tie.
+evaluate.py writes to samples.jsonl; the paired bootstrap and the comparisons read from the
+rows (each method against one, the leader of each measure) are in support/compare.py.
 """
 from __future__ import annotations
 
@@ -15,72 +10,16 @@ from pathlib import Path
 
 import numpy as np
 
+from support.compare import (LOWER_IS_BETTER, aligned, headline_metrics, interval, leaders, leaders_table,
+                             resample_index, values, versus, versus_table)
 from support.files import read_rows
 
-LOWER_IS_BETTER = {"kl", "dnll"}
 HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / LongBench score
-N_BOOT, SEED = 2000, 0
 
 
 def protocol(row: dict) -> str:
     """A row's protocol; rows written before protocols existed are `prompt`'s."""
     return row.get("protocol", "prompt")
-
-
-def values(rows: list) -> dict:
-    """(method, budget, task, metric) -> {prompt: value}; RULER rows also feed the `answer`
-    task (answer fidelity) and every row the `memory` and `time` tasks. A multi-question prompt's
-    later questions (rows with turn >= 1) go to "TASK later" and "answer later", their mean per
-    prompt (the bootstrap resamples prompts, not questions that share a context), and the
-    prompt's first minus that mean to "TASK spread" and "answer spread" (multi-question reuse)."""
-    acc, later = {}, {}
-    for r in rows:
-        turn = r.get("turn", 0)
-        prompt = (r["task"], r["length"], r["index"])
-
-        def put(task, metric, v):
-            if turn:
-                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt, []).append(v)
-            else:
-                acc.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
-        if r["task"] == "fidelity":
-            for m in ("kl", "dnll", "top1"):
-                put("fidelity", m, r[m])
-        else:
-            if "score" in r:
-                put(r["task"], r.get("metric", "string_match_all"), r["score"])
-            if "kl" in r:
-                for m in ("kl", "dnll"):
-                    put("answer", m, r[m])
-        if turn:
-            continue
-        for m in ("kv_fraction", "peak_fraction", "alloc_fraction"):
-            if m in r:
-                put("memory", m, r[m])
-        if "compress_s" in r:
-            put("time", "compress_s", r["compress_s"])
-    for (m, b, task, metric), per in later.items():          # one value per prompt: its later questions' mean
-        first = acc.get((m, b, task, metric), {})
-        acc[(m, b, task + " later", metric)] = {p: sum(v) / len(v) for p, v in per.items()}
-        acc[(m, b, task + " spread", metric)] = {p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first}
-    return acc
-
-
-def aligned(per: dict) -> tuple:
-    """{method: {prompt: value}} -> (the prompts every method has, sorted; {method: (n,) array of
-    its values on them}): the paired sample the bootstrap resamples."""
-    prompts = sorted(set.intersection(*(set(v) for v in per.values()))) if per else []
-    return prompts, {m: np.array([v[p] for p in prompts], dtype=float) for m, v in per.items()}
-
-
-def resample_index(n: int, seed: int = SEED) -> np.ndarray:
-    """(N_BOOT, n) prompt indices drawn with replacement; the same draw serves every method."""
-    return np.random.default_rng(seed).integers(0, n, size=(N_BOOT, n))
-
-
-def interval(x: np.ndarray) -> tuple:
-    lo, hi = np.percentile(x, [2.5, 97.5])
-    return float(lo), float(hi)
 
 
 def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
@@ -167,12 +106,6 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
             lines.append(f"| {b} | {n} | " + " | ".join(cells) + " |")
     lines += diff_lines(summary, names, budgets, ruler_tasks)
     return "\n".join(lines)
-
-
-def headline_metrics(ruler_tasks) -> list:
-    """(task, metric, label) of the headline comparisons: fidelity KL, answer ΔNLL, each RULER score."""
-    return [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")] + \
-        [(t, "string_match_all", t) for t in ruler_tasks]
 
 
 def diff_lines(summary, names, budgets, ruler_tasks) -> list:
@@ -329,7 +262,6 @@ def main(argv=None):
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
     if a.versus or a.leaders:
-        from support.compare import leaders, leaders_table, versus, versus_table
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
             flag = "--versus" if a.versus else "--leaders"
