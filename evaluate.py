@@ -31,8 +31,8 @@ A fair comparison (docs/protocol.md):
   decode rules hold their prompt budget).
 - Same numerical path: FullKV and every method of an item are teacher-forced the same way — in
   one step, or token by token for all when some method's decoder evicts within the continuation.
-- Intervals: support/report.py gives each mean a paired bootstrap 95 % interval over prompts, and each
-  method's difference to the best uniform rule its own.
+- Intervals: each mean gets a paired bootstrap 95 % interval over prompts (support/compare.py), and
+  each method's difference to the best uniform rule its own (the summary: support/report.py).
 - Splits: `--split test` (default) scores the test passages (even topics) and RULER seeds
   + 1000; `--split dev` the dev passages (odd topics, where calibration reads too) and the
   seeds as given. Defaults are chosen on dev, tables reported on test.

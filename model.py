@@ -536,7 +536,7 @@ def run_layers(model: Llama, x, pos, caches: list, start: int = 0, hooks: Option
 def check_length(model: Llama, n: int):
     if n > model.config.max_seq_len:
         raise UsageError(f"prompt of {n} tokens is longer than the model's maximum "
-                         f"({model.config.max_seq_len}); shorten it or use --truncate")
+                         f"({model.config.max_seq_len}); shorten it")
     if n < 1:
         raise UsageError("empty prompt")
 
