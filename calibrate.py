@@ -121,7 +121,8 @@ def set_meta(model, tok, texts, budget: int, seed: int, model_name: str, needles
     a policy file records about the set."""
     T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
     check_args(budget, len(texts), T, n, b_min)
-    M.check_length(model, T + n)
+    if max(len(p) + len(c) for p, c in texts) > model.config.max_seq_len:   # one line, before any probe
+        raise UsageError(f"calibration prompts of {T} (+{n}) tokens exceed the model's maximum {model.config.max_seq_len}")
     return T, n, {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given", "n_prompts": len(texts), "prompt_len": T, "cont_len": n,
         "needles": needles, "pool": list(polykv.pool())}}
@@ -277,7 +278,6 @@ def allocate(signal, total: int, b_min: int, cap: int) -> list:
     for rank, l in enumerate(order):
         out[l] = ints[rank]
     return out
-
 
 
 def best_rules(phase_signals: dict, pool, preference: str) -> list:

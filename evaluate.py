@@ -220,9 +220,6 @@ class Methods:
                 T = self.args.calibration_length
                 path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
                                              procedure, T)
-                if not path.exists() and T + calibrate.CONT_LEN > self.model.config.max_seq_len:
-                    raise UsageError(f"--calibration-length {T} (+{calibrate.CONT_LEN} continuation tokens) is "
-                                     f"longer than the model's maximum ({self.model.config.max_seq_len})")
                 print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
                       f"calibrating once on {T}-token prompts into {path} (on 2 CPU cores about 4-9 min "
                       f"at 2,048 tokens, 4x that at 8,000)"), flush=True)

@@ -237,8 +237,8 @@ def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any
     out = tmp_path / "a"
     out.mkdir()
     (out / "samples.jsonl").write_text('{"key": "kept"}\n')
-    with pytest.raises(M.UsageError, match=r"--calibration-length 1000 \(\+64 continuation tokens\) is longer "
-                                           r"than the model's maximum \(1024\)"):
+    with pytest.raises(M.UsageError, match=r"^calibration prompts of 1000 \(\+64\) tokens exceed the model's "
+                                           r"maximum 1024$"):
         run(tiny_dir, out, "--calibration-length", "1000")
     assert (out / "samples.jsonl").read_text() == '{"key": "kept"}\n' and [f.name for f in out.iterdir()] == ["samples.jsonl"]
     run(tiny_dir, tmp_path / "b", "--calibration-length", "1000", "--methods", "full,snapkv")   # no PolyKV row: no check
