@@ -641,15 +641,25 @@ def summarize(args, config, out, rows, m, t_start):
         summary += [{**d, "protocol": p} for d in report.summarize(mine, args.methods, args.budget, baselines(),
                                                                     [n for n in args.methods if family(n) == "polykv"])]
     config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)   # None: --report
-    per_prompt = {(r["task"], r["length"], r["index"]): r["prefill_s"] for r in rows if "prefill_s" in r}
-    config["prefill_s"] = round(sum(per_prompt.values()) / max(1, len(per_prompt)), 2)
+    # one observation per prompt is shared by `prompt` and `context`; `agnostic` observes its own
+    # (without the question): each is averaged over prompts on its own
+    seen = {"shared": {}, "agnostic": {}}
+    for r in rows:
+        if "prefill_s" in r:
+            kind = "agnostic" if report.protocol(r) == "agnostic" else "shared"
+            seen[kind][(r["task"], r["length"], r["index"])] = r["prefill_s"]
+    mean = {kind: round(sum(v.values()) / len(v), 2) for kind, v in seen.items() if v}
+    config["prefill_s"] = mean.get("shared", mean.get("agnostic", 0.0))
+    if len(mean) == 2:
+        config["prefill_agnostic_s"] = mean["agnostic"]
     write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
               f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · prompts {config['prompts']} · "
               f"wall {config['wall_s']} s · shared prefill "
-              f"{config['prefill_s']} s per prompt")
+              f"{config['prefill_s']} s per prompt"
+              + (f" (agnostic's own {config['prefill_agnostic_s']} s)" if "prefill_agnostic_s" in config else ""))
     tables = [(f"protocol {p}\n\n" if len(args.protocol) > 1 else "")
               + report.table([d for d in summary if d["protocol"] == p], args.methods, args.budget, args.tasks)
               for p in args.protocol]

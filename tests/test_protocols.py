@@ -156,6 +156,12 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     assert all(len(v) == 1 for v in fid.values()) and len(fid) == 4
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {d["protocol"] for d in summary["rows"]} == {"prompt", "context", "agnostic"}
+    # the header's prefill: `prompt` and `context` share one observation per prompt, `agnostic` has its own
+    obs = {kind: {(r["task"], r["index"]): r["prefill_s"] for r in rows if (r["protocol"] == "agnostic") == (kind == "a")}
+           for kind in "sa"}
+    assert all(r["prefill_s"] == obs["s"][r["task"], r["index"]] for r in rows if r["protocol"] != "agnostic")
+    mean = lambda d: round(sum(d.values()) / len(d), 2)
+    assert (summary["config"]["prefill_s"], summary["config"]["prefill_agnostic_s"]) == (mean(obs["s"]), mean(obs["a"]))
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
     E.main(args + ["--greedy", "", "--out", str(tmp_path / "nll"), "--methods", "full,snapkv"])   # ΔNLL only
