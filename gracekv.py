@@ -91,6 +91,7 @@ class Settings:
     unit_rows: Callable = _later("own_rows")             # R per unit (eq. 10)
     extract: Callable = _later("extract_three")          # salient-token extraction
     rank_adds: Callable = _later("rank_by_gain")         # what an add competes with (eq. 13)
+    split_gain: Callable = _later("split_gain")           # Δ_split of a node (eq. 12)
     floor: Callable = _later("seed_floor")               # the singleton floor
 
     def __post_init__(self):
@@ -210,13 +211,14 @@ def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 2
 # ============================================================================= slots (eqs. 4-5)
 
 def bends(h: torch.Tensor, w: int) -> torch.Tensor:
-    """Bends of a trajectory h (T, F): κ_i = 1 − cos(h̄_i − mean h̄_{i−w..i−1},
-    mean h̄_{i+1..i+w} − h̄_i) with h̄ = h/‖h‖, windows clipped at the ends; κ_0 = κ_{T−1} = 0."""
+    """Eq. 4, bends of a trajectory h (T, F) with h̄ = h/‖h‖: μ₋ = mean h̄_{i−w+1..i} (the
+    window ends at i itself), μ₊ = mean h̄_{i+1..i+w}, δ₋ = h̄_i − μ₋, δ₊ = μ₊ − h̄_i,
+    κ_i = 1 − cos(δ₋, δ₊); windows clipped at the ends; κ_0 = κ_{T−1} = 0 (one side empty)."""
     T, h = h.shape[0], F.normalize(h, dim=-1)
     C = F.pad(h.cumsum(0), (0, 0, 1, 0))                          # (T+1, F) prefix sums
     i = torch.arange(T, device=h.device)
-    lo, hi = (i - w).clamp(min=0), (i + 1 + w).clamp(max=T)
-    before = (C[i] - C[lo]) / (i - lo).clamp(min=1)[:, None]
+    lo, hi = (i - w + 1).clamp(min=0), (i + 1 + w).clamp(max=T)
+    before = (C[i + 1] - C[lo]) / (i + 1 - lo)[:, None]           # μ₋ over i−w+1..i
     after = (C[hi] - C[(i + 1).clamp(max=T)]) / (hi - i - 1).clamp(min=1)[:, None]
     k = 1 - F.cosine_similarity(h - before, after - h, dim=-1)    # (T,)
     k[0] = k[-1] = 0.0
@@ -330,16 +332,21 @@ def beta_local(Rt, mask, nf, beta: float, Tc: int) -> torch.Tensor:
     return beta * (Rt * mask).sum(1) / nf
 
 
-def distortion(logZ, mu2, muv, logZp, v2, s):
-    """D and D(drop) of nodes (N,) from the exact log Z_u, ‖μ_u‖², ⟨μ_u, ṽ⟩ (N, P), μ = M/Z,
-    and the prototype's log Z̃_u (N, P) and ‖ṽ‖² (N,); s: Settings (λ_Z, λ_M, ε, log ρ cap).
-
-    D_u = λ_Z (Z − Z̃)²/Z² + λ_M ‖M − M̃‖²/(‖M‖² + ε) with M̃ = Z̃ṽ, written with ρ = Z̃/Z:
-    λ_Z (1 − ρ)² + λ_M ‖μ − ρṽ‖²/(‖μ‖² + ε), log ρ ≤ log_rho_max; probes weighted by mass Z_u."""
+def distortion(logZ, Z2, mu2, muv, logZp, v2, s):
+    """Eq. 8: D and D(drop) of nodes (N,) for their probes u (N, P), each probe in its own
+    max-subtracted scale (its largest term over the node's tokens is e^0 = 1, so Z_u >= 1):
+    Z_u = Σ_t e^{q_u·k_t/√D − max}, M_u = Σ_t e^{q_u·k_t/√D − max} v_t, Z̃_u = m e^{q_u·k̃/√D − max},
+    M̃_u = Z̃_u ṽ,  D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
+    Computed from Z_u² (Z2), μ = M/Z (‖μ‖² mu2, ⟨μ, ṽ⟩ muv), ‖ṽ‖² (v2, (N,)) and ρ = Z̃/Z =
+    exp(logZp − logZ), so that no exponential of a raw logit is taken: (Z − Z̃)² = Z²(1 − ρ)²,
+    ‖M − M̃‖² = Z²‖μ − ρṽ‖², ‖M‖² = Z²‖μ‖². D(drop): Z̃ = 0, M̃ = 0. D(I_v) = Σ_u w_u D_u with
+    w_u ∝ the attention mass u pays the node, exp(logZ) = Σ_{t∈v} A[u, t]. log ρ <= log_rho_max
+    (a guard: it binds only where (1 − ρ)² > e^40, past fp32's range)."""
     rho = (logZp - logZ).clamp(max=s.log_rho_max).exp()                     # (N, P) Z̃/Z
     err = (mu2 - 2 * rho * muv + rho ** 2 * v2[:, None]).clamp(min=0)        # ‖μ − ρṽ‖²
-    Du = s.lambda_z * (1 - rho) ** 2 + s.lambda_m * err / (mu2 + s.eps)
-    Dd = s.lambda_z + s.lambda_m * mu2 / (mu2 + s.eps)                         # ρ = 0: nothing kept
+    Du = (s.lambda_z * Z2 * (1 - rho) ** 2 / (Z2 + s.eps)
+          + s.lambda_m * Z2 * err / (Z2 * mu2 + s.eps))
+    Dd = s.lambda_z * Z2 / (Z2 + s.eps) + s.lambda_m * Z2 * mu2 / (Z2 * mu2 + s.eps)
     w = torch.softmax(logZ, -1)                                               # (N, P) mass weights
     return (w * Du).sum(-1), (w * Dd).sum(-1)
 
@@ -389,7 +396,7 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     qk = batched_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
     logm = s.multiplicity(span, qk, logZ)                                     # log m (N,), eq. 7
     logZp = logm[:, None] + qk                                      # log Z̃ = log m + q·k̃/√D − c
-    D, Dd = distortion(logZ, mu2, muv, logZp, val.pow(2).sum(-1), s)
+    D, Dd = distortion(logZ, Z.pow(2), mu2, muv, logZp, val.pow(2).sum(-1), s)
     zero = torch.zeros((), dtype=D.dtype, device=D.device)
     return dict(unit=u, a=a + first, b=a + last + 1, n=cnt, R=Rt.sum(1),
                 D=torch.where(cnt <= 1, zero, D),                            # a leaf is its token
@@ -565,8 +572,9 @@ CONTEXTS = Last(context, key=lambda model, full, flow, r, s: (id(model), id(full
 
 
 # ============================================================================= budget flow (eqs. 12-13)
-# Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1; Δ_split(v) = ω·(R(v)D(v) − Σ_c R(c)D(c)),
-# cost |children| − 1; one max-heap on Δ/cost over all units; a node splits only once added.
+# Eq. 12: Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1;
+#         Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)), cost |child(v)| − 1.
+# Eq. 13: one max-heap on Δ/cost over all units; a node splits only once added.
 
 def extract_three(cx, u, a, b, ok, idc):
     """The paper's extraction: the token t of highest R^tok leaves as an exact leaf, both sides
@@ -577,10 +585,16 @@ def extract_three(cx, u, a, b, ok, idc):
     return t, [(a, t, none), (t, t + 1, none), (t + 1, b, none)], False
 
 
+def split_gain(omega, R_v, D_v, R_children, D_children):
+    """Eq. 12: Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)): the parent's relevance times
+    the drop in distortion (nodes (N,); children (K, N), an absent child's D = 0)."""
+    return omega * R_v * (D_v - D_children.sum(0))
+
+
 def best_splits(cx, plan: Plan, ids: list):
     """Best split of each node, by gain per entry (ties: bisection): a bisection at the highest κ
     in its central half (2 children, cost 1), or the extraction of Settings.extract (the paper's:
-    3 children, cost 2). Δ_split = ω·(R(v)D(v) − Σ_c R(c)D(c)), cost = children − 1."""
+    3 children, cost 2). Gain: Settings.split_gain (eq. 12), cost = children − 1."""
     nd = plan.nodes
     if not ids:
         return
@@ -598,11 +612,14 @@ def best_splits(cx, plan: Plan, ids: list):
     cand = [(a, c, none), (c, b, none)] + ext                                  # K candidate children
     K = len(cand)
     st = node_stats(cx.units, u.repeat(K), *(torch.cat([x[i] for x in cand]) for i in range(3)))
-    RD = (st["R"] * st["D"]).view(K, -1)                                      # (K, N), a leaf's D = 0
-    valid = (st["n"] > 0).view(K, -1)
-    RDv = torch.tensor([nd[i].R * nd[i].D for i in ids], device=a.device, dtype=RD.dtype)
+    valid = (st["n"] > 0).view(K, -1)                                         # (K, N) non-empty children
+    Dc = st["D"].view(K, -1) * valid                                          # (K, N), a leaf's D = 0
+    Rc = st["R"].view(K, -1) * valid
+    Rv, Dv = (torch.tensor([getattr(nd[i], f) for i in ids], device=a.device, dtype=Dc.dtype)
+              for f in ("R", "D"))
     om = cx.omega[u]
-    g_bis, g_ext = om * (RDv - RD[:2].sum(0)), om * (RDv - (RD[2:] * valid[2:]).sum(0))
+    gain_of = cx.s.split_gain
+    g_bis, g_ext = gain_of(om, Rv, Dv, Rc[:2], Dc[:2]), gain_of(om, Rv, Dv, Rc[2:], Dc[2:])
     c_bis, c_ext = valid[:2].sum(0) - 1, (valid[2:].sum(0) - 1).clamp(min=1)
     use_ext = g_ext / c_ext > g_bis / c_bis.clamp(min=1)
     if holes:
@@ -697,13 +714,20 @@ def allocate(cx, B_alloc: int) -> Plan:
 # ============================================================================= singleton floor
 
 def seed_floor(cx: Context, per_unit: int) -> int:
-    """The budget-aware singleton floor: the first min(per_unit, |seeds|) seeds of the multi-hop
-    (hop 0 by s̄, then each hop's, best first) kept exact in every unit, as holes in its trees,
-    before the competition; per_unit = ⌊floor_frac·(B − r)⌋ grows with B [choice]. Returns its entries (≤ U·per_unit)."""
-    f = cx.seeds[:per_unit]
-    if f:
-        cx.units.hole[:, torch.tensor(f, device=cx.units.hole.device)] = True
-    return cx.units.hole.shape[0] * len(f)
+    """The budget-aware singleton floor, "chosen from the high-scoring seeds" (the paper): each
+    unit keeps exact its own top min(per_unit, |seeds|) of the multi-hop's seeds, ranked by its
+    own R^tok (eq. 10; ties to the later token), as holes in its trees, before the competition;
+    per_unit = ⌊floor_frac·(B − r)⌋ grows with B up to the |seeds| = seeds·(hops + 1) candidates
+    [choice: dev, docs/gracekv.md]. Returns its entries (<= U·per_unit)."""
+    k = min(max(per_unit, 0), len(cx.seeds))
+    if k == 0:
+        return 0
+    dev = cx.units.hole.device
+    seeds = torch.tensor(sorted(cx.seeds), device=dev).flip(0)      # (n,) latest first: ties to it
+    Rs = cx.units.R[:, seeds]                                        # (U, n) each unit's own R^tok
+    best = Rs.sort(dim=-1, descending=True, stable=True).indices[:, :k]   # (U, k)
+    cx.units.hole.scatter_(1, seeds[best], True)
+    return cx.units.hole.shape[0] * k
 
 
 # ============================================================================= cache assembly

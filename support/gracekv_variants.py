@@ -70,6 +70,13 @@ def extract_hole(cx, u, a, b, ok, idc):
     return t, [(a, b, t), (t, t + 1, torch.full_like(a, -1))], True
 
 
+def split_gain_mass(omega, R_v, D_v, R_children, D_children):
+    """Variant (this project's earlier reading of eq. 12): each child weighed by its own
+    relevance, Δ_split(v) = ω·(R(v)·D(v) − Σ_u R(u)·D(u)); the paper weighs the drop in
+    distortion by the parent's R(v) alone (gracekv.split_gain)."""
+    return omega * (R_v * D_v - (R_children * D_children).sum(0))
+
+
 def rank_with_lookahead(cx, plan, best_splits) -> dict:
     """Variant (ours, not the paper's): an add ranked by max(Δ_add, (Δ_add + Δ_split(root))/(1 +
     cost_split)), so a slot whose mass sits on one token competes with the extraction behind its
@@ -81,6 +88,16 @@ def rank_with_lookahead(cx, plan, best_splits) -> dict:
             sg, sc = plan.split[i].gain, plan.split[i].cost
             rank[i] = max(g, (g + sg) / (1 + sc))                       # gain per entry of both
     return rank
+
+
+def hop_order_floor(cx, per_unit: int) -> int:
+    """Variant (this project's earlier floor): the first min(per_unit, |seeds|) seeds in hop
+    order (hop 0 by the mean first hop s̄, then each hop's, best first), the same tokens in
+    every unit."""
+    f = cx.seeds[:max(per_unit, 0)]
+    if f:
+        cx.units.hole[:, torch.tensor(f, device=cx.units.hole.device)] = True
+    return cx.units.hole.shape[0] * len(f)
 
 
 def row_floor(cx, per_unit: int) -> int:
@@ -110,8 +127,11 @@ VARIANTS = {"gracekv": {},
             "gracekv-dense": {"multi_hop": dense_hops, "dense_hops": 2},   # dense hops, no seeds
             "gracekv-greedycut": {"slotting": greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,)},
             "gracekv-floor": {"floor": row_floor, "floor_frac": 0.95},     # 95 % exact tokens by ω·R
+            "gracekv-massgain": {"split_gain": split_gain_mass},  # eq. 12 with each child's own R
+            "gracekv-hopfloor": {"floor": hop_order_floor},       # the same first seeds in every unit
             # the first reading, all of them together
             "gracekv-v1": {"rank_adds": rank_with_lookahead, "unit_rows": shared_row, "extract": extract_hole,
+                           "split_gain": split_gain_mass,
                            "value_beta": beta_global, "multi_hop": dense_hops, "dense_hops": 2,
                            "slotting": greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,), "floor": row_floor,
                            "floor_frac": 0.1, "seeds": 16, "evidence": 0, "lambda_s": 0.0},

@@ -170,7 +170,7 @@ def test_bends_equal_naive_and_greedy_cut():
     k = GK.bends(h, 3)
     hn = torch.nn.functional.normalize(h, dim=-1)
     for i in range(1, 59):
-        before = hn[max(0, i - 3):i].mean(0)
+        before = hn[max(0, i - 2):i + 1].mean(0)                             # eq. 4: i−w+1..i
         after = hn[i + 1:i + 4].mean(0)
         want = 1 - torch.nn.functional.cosine_similarity(hn[i] - before, after - hn[i], dim=0)
         torch.testing.assert_close(k[i], want)
@@ -252,12 +252,14 @@ def naive_node(cx, j, toks, s):
     w = R + s.beta * (cx.R[j, :cx.Tc].mean() if s.value_beta is V.beta_global else R.mean())
     val = (w[:, None] * v).sum(0) / w.sum()
     lg = cx.lg[j, toks]                                                       # (n, P) log A
-    Z, Mx = lg.exp().sum(0), lg.exp().T @ v                                   # (P,), (P, D)
-    Zp = mm * torch.exp(logit)
-    # D_u = (Z − Z̃)²/Z² + ‖M − M̃‖²/(‖M‖² + ε·Z²): ε on the scale-free ‖μ‖² = ‖M/Z‖²
-    denom = (Mx ** 2).sum(-1) + s.eps * Z ** 2
-    Dq = (Z - Zp) ** 2 / Z ** 2 + ((Mx - Zp[:, None] * val) ** 2).sum(-1) / denom
-    Dd = 1 + (Mx ** 2).sum(-1) / denom
+    Z = lg.exp().sum(0)                                                       # (P,) attention mass
+    sh = lg.max(0).values                                                     # each probe's max-subtraction
+    Zs, Mx = (lg - sh).exp().sum(0), (lg - sh).exp().T @ v                    # (P,), (P, D)
+    Zp = mm * torch.exp(logit - sh)
+    # D_u = (Z − Z̃)²/(Z² + ε) + ‖M − M̃‖²/(‖M‖² + ε), in the probe's max-subtracted scale
+    denom = (Mx ** 2).sum(-1) + s.eps
+    Dq = (Zs - Zp) ** 2 / (Zs ** 2 + s.eps) + ((Mx - Zp[:, None] * val) ** 2).sum(-1) / denom
+    Dd = Zs ** 2 / (Zs ** 2 + s.eps) + (Mx ** 2).sum(-1) / denom
     seen = cx.qpos[j] >= toks[-1]      # a probe reads a node only from at or after its last token
     wq = Z * seen / (Z * seen).sum()
     return dict(key=key, val=val, logm=math.log(mm), pos=int(p), D=float((wq * Dq)[seen].sum()),
@@ -297,11 +299,12 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     mu = torch.randn(3, 1, 8, dtype=torch.float64)
     mu2 = mu.pow(2).sum(-1)                                                   # prototype = exact: ṽ = μ
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
-    D, Dd = GK.distortion(logZ, mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
+    D, Dd = GK.distortion(logZ, torch.ones_like(logZ), mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
     assert torch.all(D.abs() < 1e-12) and torch.all(Dd > 1.9)
     for big in (1e4, -1e4, 1e30):             # log Z̃ − log Z far beyond exp's range
         lz = torch.tensor([[0.0, -1e4], [big, 5.0]])
-        D, Dd = GK.distortion(lz, torch.rand(2, 2), torch.randn(2, 2), lz + big, torch.rand(2), GK.Settings())
+        D, Dd = GK.distortion(lz, 1 + torch.rand(2, 2), torch.rand(2, 2), torch.randn(2, 2), lz + big,
+                              torch.rand(2), GK.Settings())
         assert torch.isfinite(D).all() and torch.isfinite(Dd).all()
 
 
@@ -367,10 +370,12 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     frontier = replay(plan, plan.B_alloc)
     per_unit = int(s.floor_frac * (B - r))
     cx = GK.context(m, full, stats, r, s)                                     # the same seeds, fresh
-    if s.floor is GK.seed_floor:              # the floor: the first seeds, in every unit, within its reservation
-        want = sorted(cx.seeds[:per_unit])
-        assert all(plan.floor[j].nonzero()[:, 0].tolist() == want for j in range(U))
-        n_floor = U * len(want)
+    if s.floor is GK.seed_floor:              # the floor: each unit's own best seeds, within its reservation
+        k = min(max(per_unit, 0), len(cx.seeds))
+        for j in range(U):
+            best = sorted(cx.seeds, key=lambda t: (-float(cx.units.R[j, t]), -t))[:k]
+            assert plan.floor[j].nonzero()[:, 0].tolist() == sorted(best)
+        n_floor = U * k
     else:
         n_floor = int(plan.floor.sum())
     assert n_floor <= U * per_unit
