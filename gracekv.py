@@ -95,8 +95,10 @@ class Settings:
     floor: Callable = _later("seed_floor")               # the singleton floor
 
     def __post_init__(self):
-        if min(self.window, self.slot_min, self.prefetch, self.seeds, min(self.bend_widths), self.evidence_stride) < 1:
-            raise UsageError("window, slot_min, seeds, bend widths, prefetch and evidence_stride must be >= 1")
+        if min(self.window, self.slot_min, self.prefetch, self.seeds, self.evidence_stride) < 1:
+            raise UsageError("window, slot_min, seeds, prefetch and evidence_stride must be >= 1")
+        if not self.bend_widths or min(self.bend_widths) < 2:      # w = 1: μ₋ = h̄_i, δ₋ = 0 (eq. 4)
+            raise UsageError(f"bend_widths must be a non-empty tuple of widths >= 2, got {self.bend_widths}")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
         if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and 0 <= self.hop_forward <= 1
