@@ -69,7 +69,7 @@ class Settings:
     lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph: not given by the paper [choice]
     lambda_m: float = 1.0
     lambda_graph: float = 0.3
-    seeds: int = 64           # seeds per hop [choice: dev, docs/gracekv.md]
+    seeds: int = 128          # seeds per hop [choice: dev, docs/gracekv.md]
     hops: int = 2             # propagation hops [choice]
     decay: float = 0.5        # hop k weighs decay^(k−1) [choice]
     hop_depths: tuple = (0.25, 0.5, 0.75)   # the sampled layers, as fractions of the depth [choice]
@@ -78,7 +78,7 @@ class Settings:
     evidence_stride: int = 4  # layer, every stride-th query of the slots of highest peak R [choice]
     dense_hops: int = 0       # hops of the dense value flow (only its variant reads them)
     beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
-    floor_frac: float = 0.5   # floor: per unit min(|seeds|, ⌊φ·(B − r)⌋) exact tokens [choice: dev]
+    floor_frac: float = 0.75  # φ: per unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice: dev]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
     log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
     prefetch: int = 2048      # heap entries whose nodes are evaluated together (speed only)
