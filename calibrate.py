@@ -805,6 +805,7 @@ def check_options(a):
             raise UsageError(f"cannot write {f!r}: no such folder")
 
 
+ON_CTRL_C = "interrupted: nothing written (a policy file is written once its calibration is done)"
+
 if __name__ == "__main__":
-    cli.run(main, "interrupted: nothing written (a policy file is written once its calibration "
-                  "is done)")
+    cli.run(main, ON_CTRL_C)

@@ -629,11 +629,10 @@ def main(argv=None):
     if args.calibration_length != calibrate.PROMPT_LEN:                 # (likewise)
         keyed["calibration_length"] = args.calibration_length
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
-    fixed, grid = run_settings(args, m, tok), run_grid(args)
+    model_files = run_folder.model_files(checkpoint.folder(args.model), tok.has_chat_template)
+    fixed, grid = run_settings(args, str(m.dtype), run_folder.sha256(model_files)), run_grid(args)
     recorded = run_folder.check(out, fixed, {"data": args.data, "policy": args.policy}, grid,
                                 LEGACY_DEFAULTS, args.report)
-    if not args.report:
-        make_folder(out)
     config = {**keyed, "budgets": args.budget, "methods": args.methods, "protocols": args.protocol,
               "device": str(m.device), "out": str(out)}
     if rank == 0:
@@ -665,7 +664,8 @@ def main(argv=None):
     # has as many prompts of each suite), dealt round-robin to the ranks; each rank appends to its own file
     items = sorted(items, key=lambda it: it.index)
     todo = [it for it in items if not every(it) <= done]
-    if rank == 0:                         # every check passed: the folder records this run
+    make_folder(out)                      # every check passed: the folder records this run
+    if rank == 0:
         note = run_folder.record(out, recorded, fixed, grid, run_folder.code_version(),
                                  adds_rows=bool(todo), had_rows=bool(rows))
         if note:
@@ -703,12 +703,11 @@ def main(argv=None):
 LEGACY_DEFAULTS = {"greedy": None, "calibration_length": calibrate.PROMPT_LEN}
 
 
-def run_settings(args, model, tok) -> dict:
+def run_settings(args, dtype: str, model_sha256: str) -> dict:
     """The settings that define this run's rows (support/run_folder.py: FIXED): the model by name
     and by the hash of its files, and every option that changes what a row's prompt or answer is."""
-    files = run_folder.model_files(checkpoint.folder(args.model), tok.has_chat_template)
-    return {"model": args.model_name, "model_sha256": run_folder.sha256(files),
-            "dtype": str(model.dtype), "split": args.split, "seed": args.seed,
+    return {"model": args.model_name, "model_sha256": model_sha256,
+            "dtype": dtype, "split": args.split, "seed": args.seed,
             "cont_len": args.cont_len, "max_new_tokens": args.max_new_tokens,
             "greedy": args.greedy, "memory": args.memory,
             "calibration_length": args.calibration_length,
@@ -763,7 +762,8 @@ def summarize(args, config, out, rows, m, t_start):
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
-              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · prompts {config['prompts']} · "
+              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · "
+              + (f"LongBench {args.data} · " if args.data else "") + f"prompts {config['prompts']} · "
               f"wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt"
               + (f" (agnostic's own {config['prefill_agnostic_s']} s)" if "prefill_agnostic_s" in config else ""))
@@ -777,5 +777,7 @@ def summarize(args, config, out, rows, m, t_start):
         report.plot(summary, args.methods, out, family, length=report.ratio_length(config))
 
 
+ON_CTRL_C = "interrupted: finished samples are in samples.jsonl; rerun the same command to resume"
+
 if __name__ == "__main__":
-    cli.run(main, "interrupted: finished samples are in samples.jsonl; rerun the same command to resume")
+    cli.run(main, ON_CTRL_C)
