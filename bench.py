@@ -133,7 +133,8 @@ def main(argv=None):
                     help="prompt lengths of the observation benchmark (comma list)")
     ap.add_argument("--methods", default=None, help="methods of the compression table (default: the default methods)")
     ap.add_argument("--budget", type=cli.int_list, default=[128, 512])
-    ap.add_argument("--contexts", type=cli.int_list, default=[128, 2048, 8000], help="FullKV decoding contexts")
+    ap.add_argument("--contexts", type=cli.int_list, default=[128, 2048, 8000],
+                    help="FullKV decoding contexts")
     ap.add_argument("--steps", type=int, default=16, help="decoded tokens per measurement")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
@@ -158,7 +159,7 @@ def main(argv=None):
           f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}")
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
     made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
-    for length in args.length:                                               # 1. observation and compression
+    for length in args.length:                            # 1. observation and compression
         observation(m, tok, length, made, budgets, args.repeat)
 
     # 2. decoding

@@ -702,7 +702,8 @@ def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "de
 
 
 def main(argv=None):
-    ap = cli.ArgumentParser(description="Calibrate a PolyKV policy (the paper's procedure, or --procedure joint).")
+    ap = cli.ArgumentParser(
+        description="Calibrate a PolyKV policy (the paper's procedure, or --procedure joint).")
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--budget", type=int, default=512, help="average entries per (layer, KV head)")
     ap.add_argument("--out", default=None, help="the policy file (default policy.json)")
@@ -768,7 +769,8 @@ def main(argv=None):
         pol = calibrate(m, tok, a.budget, a.seed, preference=a.preference,
                         sensitivity=a.sensitivity, b_min=b_min, **common)
     else:
-        pol = PROCEDURES[a.procedure](m, tok, a.budget, a.seed, signal=a.signal, needles=a.needles, **common)
+        pol = PROCEDURES[a.procedure](m, tok, a.budget, a.seed, signal=a.signal, needles=a.needles,
+                                      **common)
     try:
         pol.save(a.out)
     except OSError as e:
@@ -796,8 +798,8 @@ def check_options(a):
         raise UsageError("--shuffle N is the placement control of --show POLICY: give --show, "
                          "or leave --shuffle out to calibrate")
     if a.show and a.out and not a.shuffle:
-        raise UsageError("--out with --show is where --shuffle N writes its JSON: give --shuffle N "
-                         ">= 1, or leave --out out")
+        raise UsageError("--out with --show is where --shuffle N writes its JSON: give "
+                         "--shuffle N >= 1, or leave --out out")
     for f in filter(None, (a.out, a.plot)):      # before minutes of probes, not after
         if Path(f).is_dir():
             raise UsageError(f"cannot write {f!r}: it is a folder")

@@ -52,7 +52,9 @@ same summary one process writes.
 Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
 with the same arguments skips what is there (a torn last line, from a run killed while writing,
 is dropped with a warning and recomputed). OUT/summary.json (flat rows for scripts) and
-OUT/summary.md (the table) are written at the end.
+OUT/summary.md (the table) are written at the end. OUT/run.json records the settings that
+define the rows: a rerun or --report whose settings would change or relabel them refuses, one
+that adds methods, budgets or prompts resumes (support/run_folder.py).
 """
 from __future__ import annotations
 
@@ -242,11 +244,11 @@ class Methods:
         """A calibration on T-token prompts is possible at `budget` in this model's window, checked
         before it is announced (calibrate.py checks again where it runs)."""
         if T <= budget:
-            raise UsageError(f"calibration prompts ({T} tokens, --calibration-length) must be longer "
-                             f"than the budget {budget}")
+            raise UsageError(f"calibration prompts ({T} tokens, --calibration-length) must be "
+                             f"longer than the budget {budget}")
         if T + calibrate.CONT_LEN > self.model.config.max_seq_len:
-            raise UsageError(f"calibration prompts of {T} (+{calibrate.CONT_LEN}) tokens exceed the "
-                             f"model's maximum {self.model.config.max_seq_len}")
+            raise UsageError(f"calibration prompts of {T} (+{calibrate.CONT_LEN}) tokens exceed "
+                             f"the model's maximum {self.model.config.max_seq_len}")
 
     def get(self, name, budget) -> P.Method:
         if (name, budget) not in self.made:
@@ -469,7 +471,8 @@ def parse(argv):
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
     ap.add_argument("--tasks", default=",".join(DEFAULT_RULER), help="RULER-style tasks (empty: none)")
-    ap.add_argument("--length", type=cli.int_list, default=None, help="RULER prompt lengths in tokens")
+    ap.add_argument("--length", type=cli.int_list, default=None,
+                    help="RULER prompt lengths in tokens")
     ap.add_argument("--samples", type=int, default=None, help="samples per RULER task and length")
     ap.add_argument("--fidelity-length", type=cli.int_list, default=None)
     ap.add_argument("--fidelity-samples", type=int, default=None)
@@ -548,8 +551,8 @@ def parse(argv):
     if args.max_new_tokens is None:
         args.max_new_tokens = 10**6 if gpu else 24
     if not ((args.tasks and args.samples) or args.fidelity_samples or args.data):
-        raise UsageError("nothing to run: no RULER prompts (--tasks, --samples), no fidelity prompts "
-                         "(--fidelity-samples) and no --data")
+        raise UsageError("nothing to run: no RULER prompts (--tasks, --samples), no fidelity "
+                         "prompts (--fidelity-samples) and no --data")
     # equal memory: what any item may add after its prompt (continuation or generated answer)
     args.allowance = max(args.cont_len, min(args.max_new_tokens, 1024))
     args.model_name = Path(args.model).name if args.model else M.default_model_dir().name
@@ -561,7 +564,8 @@ def check_numbers(args):
     cli.at_least(1, threads=args.threads, max_new_tokens=args.max_new_tokens,
                  cont_len=args.cont_len, calibration_length=args.calibration_length)
     cli.at_least(0, samples=args.samples, fidelity_samples=args.fidelity_samples)
-    cli.at_least(1, length=min(args.length or [1]), fidelity_length=min(args.fidelity_length or [1]))
+    cli.at_least(1, length=min(args.length or [1]),
+                 fidelity_length=min(args.fidelity_length or [1]))
 
 
 def check_files(args):
@@ -704,8 +708,8 @@ LEGACY_DEFAULTS = {"greedy": None, "calibration_length": calibrate.PROMPT_LEN}
 
 
 def run_settings(args, dtype: str, model_sha256: str) -> dict:
-    """The settings that define this run's rows (support/run_folder.py: FIXED): the model by name
-    and by the hash of its files, and every option that changes what a row's prompt or answer is."""
+    """The settings that define this run's rows (support/run_folder.py: FIXED): the model by
+    name and by the hash of its files, and every option that changes a row's prompt or answer."""
     return {"model": args.model_name, "model_sha256": model_sha256,
             "dtype": dtype, "split": args.split, "seed": args.seed,
             "cont_len": args.cont_len, "max_new_tokens": args.max_new_tokens,
@@ -755,15 +759,16 @@ def summarize(args, config, out, rows, m, t_start):
     if args.report:                   # a summary is never replaced by one with fewer rows
         lost = run_folder.lost(run_folder.read_json(out / "summary.json").get("rows", []), summary)
         if lost:
-            raise UsageError(f"--report would replace {str(out / 'summary.json')!r} with fewer rows "
-                             f"({lost[0]}" + (f" and {len(lost) - 1} more" if len(lost) > 1 else "")
-                             + "); nothing written")
+            more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+            raise UsageError(f"--report would replace {str(out / 'summary.json')!r} with fewer "
+                             f"rows ({lost[0]}{more}); nothing written")
     write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
               f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · "
-              + (f"LongBench {args.data} · " if args.data else "") + f"prompts {config['prompts']} · "
+              + (f"LongBench {args.data} · " if args.data else "")
+              + f"prompts {config['prompts']} · "
               f"wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt"
               + (f" (agnostic's own {config['prefill_agnostic_s']} s)" if "prefill_agnostic_s" in config else ""))

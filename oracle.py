@@ -23,8 +23,8 @@ FullKV pass; they see the compressed cache's entries with position <= theirs.
 not a bug), the largest bias difference on shared entries and the attention-output error
 ‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error below
 `tol`. Command line: `python oracle.py dump ...` and `python oracle.py compare A B` (exit 0 on
-pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your implementation against this one" shows the format from the
-other side.
+pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your
+implementation against this one" shows the format from the other side.
 """
 from __future__ import annotations
 
@@ -212,7 +212,8 @@ def summary(res: dict) -> str:
 
 
 def main(argv=None):
-    ap = cli.ArgumentParser(description="Reference files for testing a KV-cache compression implementation.")
+    ap = cli.ArgumentParser(
+        description="Reference files for testing a KV-cache compression implementation.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump", help="write the reference file of one method on one prompt")
     d.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")

@@ -173,7 +173,8 @@ def of_kind(name: str, key: str, value, default):
     a bad value is one line before any model is loaded."""
     if isinstance(default, tuple):
         whole = all(isinstance(x, int) for x in default)
-        ok = isinstance(value, tuple) and len(value) > 0 and all(is_number(x, whole) for x in value)
+        ok = isinstance(value, tuple) and len(value) > 0 \
+            and all(is_number(x, whole) for x in value)
         kind = f"a non-empty tuple of {'integers' if whole else 'numbers'}, e.g. {default}"
     else:
         whole = isinstance(default, int)

@@ -76,7 +76,8 @@ def dataset_files(data_dir) -> list:
     data_dir = Path(data_dir)
     if not data_dir.is_dir():
         raise UsageError(f"LongBench data folder {str(data_dir)!r} does not exist")
-    found = [data_dir / f"{d}.jsonl" for d in LONGBENCH_PROMPTS if (data_dir / f"{d}.jsonl").is_file()]
+    found = [data_dir / f"{d}.jsonl" for d in LONGBENCH_PROMPTS
+             if (data_dir / f"{d}.jsonl").is_file()]
     if not found:
         raise UsageError(f"{str(data_dir)!r} holds none of the LongBench files "
                          f"{', '.join(d + '.jsonl' for d in LONGBENCH_PROMPTS)}")

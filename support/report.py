@@ -93,7 +93,8 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
     differences to the best uniform rule and PolyKV's gap recovered."""
     get = {(d["method"], d["budget"], d["task"], d["metric"]): d for d in summary}
     scored = scored_tasks([(d["task"], d["metric"]) for d in summary], ruler_tasks)
-    cols = [(u, metric, u, "{:.1f}", 1) for t, metric in scored for u in (t, t + " later", t + " spread")]
+    cols = [(u, metric, u, "{:.1f}", 1)
+            for t, metric in scored for u in (t, t + " later", t + " spread")]
     cols += [(t, "dnll", t.replace("answer", "ans ΔNLL"), "{:.3f}", 1) for t in ("answer", "answer later", "answer spread")]
     cols += [("fidelity", "kl", "KL", "{:.4f}", 1),
              ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1), ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
@@ -239,7 +240,8 @@ def main(argv=None):
     import json
     ap = cli.ArgumentParser(description="Print the table of a finished run (its summary.json).")
     ap.add_argument("summary")
-    ap.add_argument("--methods", default=None, help="comma list of the run's methods (default: all)")
+    ap.add_argument("--methods", default=None,
+                    help="comma list of the run's methods (default: all)")
     ap.add_argument("--budgets", type=cli.int_list, default=None,
                     help="comma list of the run's budgets (default: all)")
     ap.add_argument("--protocol", default=None, help="the protocol whose rows to show (default: the run's first)")
@@ -270,7 +272,8 @@ def main(argv=None):
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
             flag = "--versus" if a.versus else "--leaders"
-            raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
+            raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} "
+                             "(samples*.jsonl)")
         samples = [r for f in files for r in read_rows(f, repair=False) if protocol(r) == proto]
         if a.versus and a.versus not in {r["method"] for r in samples}:
             raise UsageError(f"--versus {a.versus!r}: no such method in the per-sample rows")
@@ -296,7 +299,8 @@ def run_config(d, path) -> dict:
             or not isinstance(d.get("rows"), list):
         raise UsageError(f"{path!r} is not a summary.json of evaluate.py (a JSON object with "
                          "'config' and 'rows')")
-    lacking = [k for k in ("methods", "budgets", "tasks") if not isinstance(d["config"].get(k), list)]
+    lacking = [k for k in ("methods", "budgets", "tasks")
+               if not isinstance(d["config"].get(k), list)]
     if lacking:
         raise UsageError(f"{path!r}: its config lacks {', '.join(lacking)}")
     return d["config"]

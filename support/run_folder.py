@@ -65,7 +65,8 @@ def model_files(folder, chat_template: bool) -> list:
     """The files a run reads its model and its prompts from: config.json, tokenizer.json, the
     weights, and tokenizer_config.json where the tokenizer applies its chat template."""
     folder = Path(folder)
-    files = [folder / "config.json", folder / "tokenizer.json"] + sorted(folder.glob("*.safetensors"))
+    files = [folder / "config.json", folder / "tokenizer.json"]
+    files += sorted(folder.glob("*.safetensors"))
     return files + ([folder / "tokenizer_config.json"] if chat_template else [])
 
 

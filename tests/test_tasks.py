@@ -388,8 +388,9 @@ def test_a_truncation_into_the_question_is_refused_by_the_split(tmp_path, tok):
     assert n > 200
     with pytest.raises(model.UsageError) as e:
         protocols.split(tok, tok.encode(q.prompt), q)
-    assert str(e.value) == (f"hotpotqa #0: the middle truncation to 400 tokens cut into its question "
-                            f"({n} tokens, more than half): only --protocol prompt can run it")
+    assert str(e.value) == (f"hotpotqa #0: the middle truncation to 400 tokens cut into its "
+                            f"question ({n} tokens, more than half): only --protocol prompt can "
+                            "run it")
     assert protocols.split(tok, tok.encode(c.prompt), c)[1] == \
         len(tok.encode(c.question, add_special_tokens=False))
 
