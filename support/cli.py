@@ -43,7 +43,7 @@ def run(main, interrupted: str = "interrupted") -> None:
     except UsageError as e:
         fail(e)
     except KeyboardInterrupt:
-        print(f"\n{interrupted}", file=sys.stderr, flush=True)
+        print(interrupted, file=sys.stderr, flush=True)
         sys.exit(INTERRUPTED)
     sys.exit(status or 0)
 

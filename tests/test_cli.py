@@ -162,6 +162,6 @@ def test_ctrl_c_during_a_calibration_is_one_line_and_130(monkeypatch, tmp_path, 
     monkeypatch.setattr(C, "calibrate", interrupted)
     status, err = ran(C.main, ["--model", str(tiny_dir), "--budget", "16", "--prompt-len", "64",
                                "--out", str(tmp_path / "p.json")], capsys, C.ON_CTRL_C)
-    assert status == cli.INTERRUPTED == 130 and err.strip().splitlines() == [C.ON_CTRL_C]
+    assert status == cli.INTERRUPTED == 130 and err == C.ON_CTRL_C + "\n"
     assert C.ON_CTRL_C.startswith("interrupted: nothing written")
     assert not (tmp_path / "p.json").exists()
