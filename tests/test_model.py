@@ -14,6 +14,7 @@ one-line errors; the embedded SmolLM2 default (marked `embedded`).
 """
 import json
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -559,6 +560,25 @@ def test_a_converted_folder_is_completed_once_without_touching_its_weights(tiny_
     capsys.readouterr()
     embedded.ensure_default_model(folder)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.embedded
+def test_embedded_folder_is_complete_and_prompted_raw(embedded):
+    """The converted folder holds what transformers reads beside the weights, from the GGUF:
+    the special tokens (its bos, eos, unk, pad) and the instruct model's chat template, which
+    this project's tokenizer does not apply (every prompt the evaluation builds stays raw)."""
+    _, tok = embedded
+    folder = model.default_model_dir()
+    if not (folder / "tokenizer_config.json").is_file() and not os.environ.get("CI"):
+        pytest.skip("the folder was converted before these files and the package registry, "
+                    "which completes it, is unreachable")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert [config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")] == \
+        ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>"]
+    assert json.loads((folder / "generation_config.json").read_text()) == \
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    assert "<|im_start|>assistant" in (folder / "chat_template.jinja").read_text()
+    assert "chat_template" not in config and not tok.has_chat_template
 
 
 @pytest.mark.embedded
