@@ -16,7 +16,6 @@ pairs and their ratio is the median of the pairs' ratios.
 """
 from __future__ import annotations
 
-import argparse
 import resource
 import statistics
 import time
@@ -28,6 +27,7 @@ import evaluate as E
 import gracekv as GK
 import model as M
 import polykv as P
+from support import cli
 from support import tasks as TK
 
 
@@ -127,32 +127,43 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
 
 @torch.no_grad()
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
-    ap.add_argument("--length", default="2048", help="prompt lengths of the observation benchmark (comma list)")
+    ap.add_argument("--length", type=cli.int_list, default=[2048],
+                    help="prompt lengths of the observation benchmark (comma list)")
     ap.add_argument("--methods", default=None, help="methods of the compression table (default: the default methods)")
-    ap.add_argument("--budget", default="128,512")
-    ap.add_argument("--contexts", default="128,2048,8000", help="FullKV decoding contexts")
+    ap.add_argument("--budget", type=cli.int_list, default=[128, 512])
+    ap.add_argument("--contexts", type=cli.int_list, default=[128, 2048, 8000],
+                    help="FullKV decoding contexts")
     ap.add_argument("--steps", type=int, default=16, help="decoded tokens per measurement")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     args = ap.parse_args(argv)
+    cli.at_least(1, steps=args.steps, repeat=args.repeat, threads=args.threads,
+                 budget=min(args.budget), length=min(args.length), contexts=min(args.contexts))
+    names = cli.split_names(args.methods, "--methods") if args.methods else \
+        [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
+    uncalibrated = [n for n in E.all_methods() if E.family(n) != "polykv"]   # PolyKV's calibrate
+    bad = [n for n in names if n not in uncalibrated and not GK.is_row(n)]
+    if bad:
+        raise M.UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(uncalibrated)}")
+    for n in names:
+        if GK.is_row(n):
+            GK.variant(n, 1)                           # its [settings] checked before any work
     if args.threads:
         torch.set_num_threads(args.threads)
-    budgets = [int(b) for b in args.budget.split(",")]
+    budgets = args.budget
     m, tok = M.load(args.model)
     L = m.config.n_layers
     print(f"model {M.default_model_dir().name if args.model is None else args.model} · {L} layers · "
           f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}")
-    names = args.methods.split(",") if args.methods else \
-        [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
     made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
-    for length in [int(x) for x in args.length.split(",")]:                  # 1. observation and compression
+    for length in args.length:                            # 1. observation and compression
         observation(m, tok, length, made, budgets, args.repeat)
 
     # 2. decoding
-    contexts = [int(c) for c in args.contexts.split(",")]
+    contexts = args.contexts
     ms_full = {}
     longest = None
     for c in contexts:
@@ -181,7 +192,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except M.UsageError as e:
-        raise SystemExit(f"error: {e}")
+    cli.run(main)

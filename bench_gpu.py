@@ -13,8 +13,6 @@ without CUDA it stops with a one-line error.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 
 import torch
@@ -22,6 +20,7 @@ import torch
 import evaluate as E
 import model as M
 import polykv as P
+from support import cli
 from support.errors import UsageError
 
 LLAMA_31_8B = M.Config(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
@@ -44,7 +43,7 @@ def stage(name, fn):
 
 @torch.no_grad()
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--length", type=int, default=16384)
     ap.add_argument("--budget", type=int, default=512)
     ap.add_argument("--steps", type=int, default=32)
@@ -76,7 +75,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as e:
-        sys.exit(f"error: {e}")
+    cli.run(main)

@@ -63,7 +63,6 @@ import json
 import math
 import random
 import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +74,7 @@ import model as M
 import polykv
 from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings, largest_remainder
-from support import tasks
+from support import cli, tasks
 from support.errors import UsageError
 from support.files import write_atomic
 from support.policy_tables import describe, placement, plot
@@ -703,8 +702,8 @@ def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "de
 
 
 def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(description="Calibrate a PolyKV policy (the paper's procedure, or --procedure joint).")
+    ap = cli.ArgumentParser(
+        description="Calibrate a PolyKV policy (the paper's procedure, or --procedure joint).")
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--budget", type=int, default=512, help="average entries per (layer, KV head)")
     ap.add_argument("--out", default=None, help="the policy file (default policy.json)")
@@ -732,17 +731,15 @@ def main(argv=None):
                          "(fidelity KL on --n-prompts passages of --split; JSON to --out if given)")
     ap.add_argument("--split", choices=tasks.SPLITS, default="dev", help="--shuffle's passages")
     a = ap.parse_args(argv)
+    check_options(a)
     if a.show:
-        try:
-            pols = [Policy.load(f) for f in a.show]
-        except UsageError as e:
-            sys.exit(f"error: {e}")
+        pols = [Policy.load(f) for f in a.show]
         for f, pol in zip(a.show, pols):
             print(f"{f}:\n{describe(pol)}")
         if a.plot:
             print(plot(pols, a.plot, polykv.pool()))
         if a.shuffle:
-            torch.set_num_threads(max(1, a.threads))
+            torch.set_num_threads(a.threads)
             m, tok = M.load(a.model)
             res = []
             for f, pol in zip(a.show, pols):
@@ -754,7 +751,7 @@ def main(argv=None):
                 write_atomic(a.out, json.dumps(res, indent=1))
         return
     a.out = a.out or "policy.json"
-    torch.set_num_threads(max(1, a.threads))
+    torch.set_num_threads(a.threads)
     name = Path(a.model).name if a.model else M.default_model_dir().name
     b_min = a.budget // 4 if a.b_min is None else a.b_min
     print(f"model={a.model or M.default_model_dir()} budget={a.budget} seed={a.seed} "
@@ -762,27 +759,22 @@ def main(argv=None):
           f"preference={a.preference} sensitivity={a.sensitivity} b_min={b_min} out={a.out} "
           f"threads={torch.get_num_threads()}")
     t0 = time.time()
-    try:
-        check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
-        if a.needles and a.procedure == "paper":
-            raise UsageError("needle prompts in the calibration set are for the joint procedures only")
-        for f in filter(None, (a.out, a.plot)):      # before minutes of probes, not after
-            if not Path(f).resolve().parent.is_dir():
-                raise UsageError(f"cannot write {f!r}: no such folder")
-        m, tok = M.load(a.model)
-        common = dict(n_prompts=a.n_prompts, prompt_len=a.prompt_len, cont_len=a.cont_len,
-                      model_name=name, log=print)
-        if a.procedure == "paper":
-            pol = calibrate(m, tok, a.budget, a.seed, preference=a.preference,
-                            sensitivity=a.sensitivity, b_min=b_min, **common)
-        else:
-            pol = PROCEDURES[a.procedure](m, tok, a.budget, a.seed, signal=a.signal, needles=a.needles, **common)
-    except UsageError as e:
-        sys.exit(f"error: {e}")
+    check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
+    if a.needles and a.procedure == "paper":
+        raise UsageError("needle prompts in the calibration set are for the joint procedures only")
+    m, tok = M.load(a.model)
+    common = dict(n_prompts=a.n_prompts, prompt_len=a.prompt_len, cont_len=a.cont_len,
+                  model_name=name, log=print)
+    if a.procedure == "paper":
+        pol = calibrate(m, tok, a.budget, a.seed, preference=a.preference,
+                        sensitivity=a.sensitivity, b_min=b_min, **common)
+    else:
+        pol = PROCEDURES[a.procedure](m, tok, a.budget, a.seed, signal=a.signal, needles=a.needles,
+                                      **common)
     try:
         pol.save(a.out)
     except OSError as e:
-        sys.exit(f"error: cannot write {a.out!r}: {e.strerror}")
+        raise UsageError(f"cannot write {a.out!r}: {e.strerror}") from None
     print(describe(pol))
     if a.procedure == "paper":
         u = pol.meta["signals"]["uniform_dppl"]
@@ -793,8 +785,29 @@ def main(argv=None):
         try:
             print(plot([pol], a.plot, polykv.pool()))
         except OSError as e:
-            sys.exit(f"error: cannot write {a.plot!r}: {e.strerror}")
+            raise UsageError(f"cannot write {a.plot!r}: {e.strerror}") from None
 
+
+def check_options(a):
+    """The options that only mean something together, and the counts, before any work: --shuffle
+    is --show's placement control and --out (with --show) where it writes; the files to write
+    go into existing folders."""
+    cli.at_least(1, threads=a.threads, n_prompts=a.n_prompts, prompt_len=a.prompt_len)
+    cli.at_least(0, shuffle=a.shuffle)
+    if a.shuffle and not a.show:
+        raise UsageError("--shuffle N is the placement control of --show POLICY: give --show, "
+                         "or leave --shuffle out to calibrate")
+    if a.show and a.out and not a.shuffle:
+        raise UsageError("--out with --show is where --shuffle N writes its JSON: give "
+                         "--shuffle N >= 1, or leave --out out")
+    for f in filter(None, (a.out, a.plot)):      # before minutes of probes, not after
+        if Path(f).is_dir():
+            raise UsageError(f"cannot write {f!r}: it is a folder")
+        if not Path(f).resolve().parent.is_dir():
+            raise UsageError(f"cannot write {f!r}: no such folder")
+
+
+ON_CTRL_C = "interrupted: nothing written (a policy file is written once its calibration is done)"
 
 if __name__ == "__main__":
-    main()
+    cli.run(main, ON_CTRL_C)

@@ -52,17 +52,16 @@ same summary one process writes.
 Every finished (method, budget, sample) is appended and flushed to OUT/samples.jsonl; a rerun
 with the same arguments skips what is there (a torn last line, from a run killed while writing,
 is dropped with a warning and recomputed). OUT/summary.json (flat rows for scripts) and
-OUT/summary.md (the table) are written at the end.
+OUT/summary.md (the table) are written at the end. OUT/run.json records the settings that
+define the rows: a rerun or --report whose settings would change or relabel them refuses, one
+that adds methods, budgets or prompts resumes (support/run_folder.py).
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import importlib.util
 import json
 import os
-import re
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,8 +73,8 @@ import calibrate
 import gracekv
 import model as M
 import polykv as P
+from support import checkpoint, cli, metrics, report, run_folder
 from support import longbench as LB
-from support import metrics, report
 from support import protocols as PR
 from support import tasks as TK
 from support.errors import UsageError
@@ -215,9 +214,10 @@ class Methods:
         key = "file" if self.args.policy else (procedure, budget)
         if key not in self.policies:
             if self.args.policy:
-                self.policies[key] = P.Policy.load(self.args.policy, n_layers=self.L)
+                self.policies[key] = self.policy_file()
             else:
                 T = self.args.calibration_length
+                self.check_calibration(budget, T)
                 path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
                                              procedure, T)
                 print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
@@ -229,6 +229,26 @@ class Methods:
                                                           procedure=procedure, prompt_len=T)
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
+
+    def policy_file(self) -> P.Policy:
+        """--policy: its layer count the model's, and the model it names (if any) this run's."""
+        pol = P.Policy.load(self.args.policy, n_layers=self.L)
+        said = pol.meta.get("model")
+        if said is not None and said != self.args.model_name:
+            raise UsageError(f"--policy {self.args.policy!r} was calibrated for model {said!r}, "
+                             f"this run's is {self.args.model_name!r} (python calibrate.py "
+                             "--model DIR --out FILE calibrates one for it)")
+        return pol
+
+    def check_calibration(self, budget: int, T: int):
+        """A calibration on T-token prompts is possible at `budget` in this model's window, checked
+        before it is announced (calibrate.py checks again where it runs)."""
+        if T <= budget:
+            raise UsageError(f"calibration prompts ({T} tokens, --calibration-length) must be "
+                             f"longer than the budget {budget}")
+        if T + calibrate.CONT_LEN > self.model.config.max_seq_len:
+            raise UsageError(f"calibration prompts of {T} (+{calibrate.CONT_LEN}) tokens exceed "
+                             f"the model's maximum {self.model.config.max_seq_len}")
 
     def get(self, name, budget) -> P.Method:
         if (name, budget) not in self.made:
@@ -421,17 +441,17 @@ def build_items(tok, args, model):
             items.append(Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None))
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
+            option = "--fidelity-length" if it.task == "fidelity" else "--length"
             raise UsageError(f"{it.task} prompt of {it.tokens.shape[1]} tokens is longer than the "
-                             f"model's maximum ({model.config.max_seq_len}); lower --length")
+                             f"model's maximum ({model.config.max_seq_len}); lower {option}")
     return items
 
 
 # ----------------------------------------------------------------------------- main
 
 def parse(argv):
-    ap = argparse.ArgumentParser(description="KV-cache compression methods against FullKV.")
-    ints = lambda s: [int(x) for x in s.split(",") if x]
-    ap.add_argument("--budget", type=ints, default=None,
+    ap = cli.ArgumentParser(description="KV-cache compression methods against FullKV.")
+    ap.add_argument("--budget", type=cli.int_list, default=None,
                     help="average entries per (layer, KV head); comma list sweeps (default 512; reference: 64,128,512,1024)")
     ap.add_argument("--suite", choices=("default", "reference"), default="default",
                     help="reference: 32 fidelity + 32 niah_single_1 prompts, budgets 64, 128, 512, 1024 "
@@ -451,9 +471,10 @@ def parse(argv):
     ap.add_argument("--device", default=None)
     ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
     ap.add_argument("--tasks", default=",".join(DEFAULT_RULER), help="RULER-style tasks (empty: none)")
-    ap.add_argument("--length", type=ints, default=None, help="RULER prompt lengths in tokens")
+    ap.add_argument("--length", type=cli.int_list, default=None,
+                    help="RULER prompt lengths in tokens")
     ap.add_argument("--samples", type=int, default=None, help="samples per RULER task and length")
-    ap.add_argument("--fidelity-length", type=ints, default=None)
+    ap.add_argument("--fidelity-length", type=cli.int_list, default=None)
     ap.add_argument("--fidelity-samples", type=int, default=None)
     ap.add_argument("--cont-len", type=int, default=64, help="teacher-forced continuation tokens")
     ap.add_argument("--max-new-tokens", type=int, default=None,
@@ -481,13 +502,15 @@ def parse(argv):
     if args.methods is None:
         args.methods = ",".join(default_methods(args.suite))
     args.methods = method_list(args.methods)
+    if not args.methods:
+        raise UsageError(f"--methods is empty; choose from {', '.join(all_methods())}")
     bad = [m for m in args.methods if m not in all_methods() and not gracekv.is_row(m)]
     for m in args.methods:
         if gracekv.is_row(m) and m not in gracekv.VARIANTS:
             gracekv.variant(m, 1)                        # its settings checked before any work
     if bad:
         raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(all_methods())}")
-    args.tasks = [t for t in args.tasks.split(",") if t]
+    args.tasks = list(dict.fromkeys(t for t in args.tasks.split(",") if t))
     bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
     if bad:
         raise UsageError(f"unknown task {bad[0]!r}; choose from {', '.join(TK.RULER_TASKS)}")
@@ -506,6 +529,8 @@ def parse(argv):
     args.budget = args.budget or ([64, 128, 512, 1024] if ref else [512])
     if min(args.budget) < 1:
         raise UsageError(f"budget must be >= 1, got {min(args.budget)}")
+    check_numbers(args)
+    check_files(args)
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(f"--device {args.device}: no CUDA device is available here (use --device cpu)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -514,18 +539,54 @@ def parse(argv):
     # defaults: CPU + embedded model -> sized to run in ~10 min on 2 cores; GPU -> long prompts
     # reference (CPU): 32 + 32 prompts; fidelity at 1,792 tokens so that its 32 passages (+64
     # continuation tokens each) are disjoint within the test text (61K tokens)
-    args.length = args.length or ([4096, 8192, 16384] if gpu else [2048])
-    args.fidelity_length = args.fidelity_length or ([4096, 8192, 16384] if gpu else [1792] if ref else [2048])
+    if args.length is None:
+        args.length = [4096, 8192, 16384] if gpu else [2048]
+    if args.fidelity_length is None:
+        args.fidelity_length = [4096, 8192, 16384] if gpu else [1792] if ref else [2048]
     args.samples = args.samples if args.samples is not None else (50 if gpu else 32 if ref else 6)
     args.fidelity_samples = args.fidelity_samples if args.fidelity_samples is not None else \
         (20 if gpu else 32 if ref else 4)
     # RULER lets niah generate 128 tokens; the 7-digit answers need ~10, and on a CPU every
     # token costs one decoding step per method
-    args.max_new_tokens = args.max_new_tokens or (10**6 if gpu else 24)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = 10**6 if gpu else 24
+    if not ((args.tasks and args.samples) or args.fidelity_samples or args.data):
+        raise UsageError("nothing to run: no RULER prompts (--tasks, --samples), no fidelity "
+                         "prompts (--fidelity-samples) and no --data")
     # equal memory: what any item may add after its prompt (continuation or generated answer)
     args.allowance = max(args.cont_len, min(args.max_new_tokens, 1024))
     args.model_name = Path(args.model).name if args.model else M.default_model_dir().name
     return args
+
+
+def check_numbers(args):
+    """Counts and lengths in range, before any work (a budget is checked with the methods)."""
+    cli.at_least(1, threads=args.threads, max_new_tokens=args.max_new_tokens,
+                 cont_len=args.cont_len, calibration_length=args.calibration_length)
+    cli.at_least(0, samples=args.samples, fidelity_samples=args.fidelity_samples)
+    cli.at_least(1, length=min(args.length or [1]),
+                 fidelity_length=min(args.fidelity_length or [1]))
+
+
+def check_files(args):
+    """The paths a run reads or writes, before the model is loaded: --data a folder of LongBench
+    files, --policy a file, --out a folder or a path one can be made at (--report: an existing
+    folder, which it never creates)."""
+    if args.data:
+        LB.dataset_files(args.data)
+    if args.policy and not Path(args.policy).is_file():
+        raise UsageError(f"--policy {args.policy!r}: no such file")
+    if args.out is None:
+        return
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {args.out!r} is a file, not a folder")
+    if args.report and not out.is_dir():
+        raise UsageError(f"--out {args.out!r}: no such run folder (--report summarizes the rows "
+                         "of a run; it creates no folder)")
+    above = next(p for p in out.absolute().parents if p.exists())
+    if not above.is_dir():
+        raise UsageError(f"--out {args.out!r}: {str(above)!r} is a file, not a folder")
 
 
 def distributed(args):
@@ -549,8 +610,9 @@ def barrier(world):
 
 
 def method_list(text: str) -> list:
-    """--methods split at commas, except inside a GraceKV row's [settings] (gracekv.variant)."""
-    return re.findall(r"[^,\[]+(?:\[[^\]]*\])?", text)
+    """--methods split at commas, except inside a GraceKV row's [settings] (gracekv.variant);
+    duplicates dropped (the first kept), as --protocol does."""
+    return cli.split_names(text, "--methods")
 
 
 def main(argv=None):
@@ -571,7 +633,10 @@ def main(argv=None):
     if args.calibration_length != calibrate.PROMPT_LEN:                 # (likewise)
         keyed["calibration_length"] = args.calibration_length
     out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
-    out.mkdir(parents=True, exist_ok=True)
+    model_files = run_folder.model_files(checkpoint.folder(args.model), tok.has_chat_template)
+    fixed, grid = run_settings(args, str(m.dtype), run_folder.sha256(model_files)), run_grid(args)
+    recorded = run_folder.check(out, fixed, {"data": args.data, "policy": args.policy}, grid,
+                                LEGACY_DEFAULTS, args.report)
     config = {**keyed, "budgets": args.budget, "methods": args.methods, "protocols": args.protocol,
               "device": str(m.device), "out": str(out)}
     if rank == 0:
@@ -603,6 +668,12 @@ def main(argv=None):
     # has as many prompts of each suite), dealt round-robin to the ranks; each rank appends to its own file
     items = sorted(items, key=lambda it: it.index)
     todo = [it for it in items if not every(it) <= done]
+    make_folder(out)                      # every check passed: the folder records this run
+    if rank == 0:
+        note = run_folder.record(out, recorded, fixed, grid, run_folder.code_version(),
+                                 adds_rows=bool(todo), had_rows=bool(rows))
+        if note:
+            print(note, flush=True)
     mine = {id(it) for it in todo[rank::world]}
     jsonl = out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl")
     t0, n_run = time.time(), 0
@@ -632,6 +703,39 @@ def main(argv=None):
     summarize(args, config, out, rows, m, t_start)
 
 
+# what a summary.json from before run.json leaves out at its default (support/run_folder.py)
+LEGACY_DEFAULTS = {"greedy": None, "calibration_length": calibrate.PROMPT_LEN}
+
+
+def run_settings(args, dtype: str, model_sha256: str) -> dict:
+    """The settings that define this run's rows (support/run_folder.py: FIXED): the model by
+    name and by the hash of its files, and every option that changes a row's prompt or answer."""
+    return {"model": args.model_name, "model_sha256": model_sha256,
+            "dtype": dtype, "split": args.split, "seed": args.seed,
+            "cont_len": args.cont_len, "max_new_tokens": args.max_new_tokens,
+            "greedy": args.greedy, "memory": args.memory,
+            "calibration_length": args.calibration_length,
+            "data_sha256": run_folder.sha256(LB.dataset_files(args.data)) if args.data else None,
+            "policy_sha256": run_folder.sha256([args.policy]) if args.policy else None}
+
+
+def run_grid(args) -> dict:
+    """What this run asks for that adds rows under keys of their own (support/run_folder.py)."""
+    return {"methods": args.methods, "budgets": args.budget, "protocols": args.protocol,
+            "tasks": args.tasks, "length": args.length, "fidelity_length": args.fidelity_length,
+            "samples": args.samples, "fidelity_samples": args.fidelity_samples}
+
+
+def make_folder(out: Path):
+    """Create the run folder (and its parents), or say in one line why it cannot be."""
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UsageError(f"--out {str(out)!r}: cannot create the folder ({e.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise UsageError(f"--out {str(out)!r}: the folder is not writable")
+
+
 def summarize(args, config, out, rows, m, t_start):
     """summary.json, summary.md (+ the plot) of a run's per-sample rows, one table per protocol
     (t_start None: a --report of rows written earlier, whose wall time is not known here)."""
@@ -652,11 +756,19 @@ def summarize(args, config, out, rows, m, t_start):
     config["prefill_s"] = mean.get("shared", mean.get("agnostic", 0.0))
     if len(mean) == 2:
         config["prefill_agnostic_s"] = mean["agnostic"]
+    if args.report:                   # a summary is never replaced by one with fewer rows
+        lost = run_folder.lost(run_folder.read_json(out / "summary.json").get("rows", []), summary)
+        if lost:
+            more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
+            raise UsageError(f"--report would replace {str(out / 'summary.json')!r} with fewer "
+                             f"rows ({lost[0]}{more}); nothing written")
     write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
     header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
               f"split {args.split} · memory {args.memory} · "
               f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
-              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · prompts {config['prompts']} · "
+              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · "
+              + (f"LongBench {args.data} · " if args.data else "")
+              + f"prompts {config['prompts']} · "
               f"wall {config['wall_s']} s · shared prefill "
               f"{config['prefill_s']} s per prompt"
               + (f" (agnostic's own {config['prefill_agnostic_s']} s)" if "prefill_agnostic_s" in config else ""))
@@ -670,10 +782,7 @@ def summarize(args, config, out, rows, m, t_start):
         report.plot(summary, args.methods, out, family, length=report.ratio_length(config))
 
 
+ON_CTRL_C = "interrupted: finished samples are in samples.jsonl; rerun the same command to resume"
+
 if __name__ == "__main__":
-    try:
-        main()
-    except UsageError as e:
-        sys.exit(f"error: {e}")
-    except KeyboardInterrupt:
-        sys.exit("interrupted: finished samples are in samples.jsonl; rerun the same command to resume")
+    cli.run(main, ON_CTRL_C)

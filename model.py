@@ -679,22 +679,19 @@ def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=(), decoder:
 
 
 def main(argv=None):
-    import argparse
-    import sys
-    ap = argparse.ArgumentParser(description="Greedy generation with FullKV.")
+    from support import cli
+    ap = cli.ArgumentParser(description="Greedy generation with FullKV.")
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--prompt", default="The capital of France is")
     ap.add_argument("--max-new-tokens", type=int, default=16)
     args = ap.parse_args(argv)
     print(f"model={args.model or default_model_dir()} max_new_tokens={args.max_new_tokens}")
-    try:
-        if args.max_new_tokens < 0:
-            raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
-        m, tok = load(args.model)
-        print(args.prompt + generate(m, tok, args.prompt, max_new_tokens=args.max_new_tokens))
-    except UsageError as e:
-        sys.exit(f"error: {e}")
+    if args.max_new_tokens < 0:
+        raise UsageError(f"--max-new-tokens must be >= 0, got {args.max_new_tokens}")
+    m, tok = load(args.model)
+    print(args.prompt + generate(m, tok, args.prompt, max_new_tokens=args.max_new_tokens))
 
 
 if __name__ == "__main__":
-    main()
+    from support import cli
+    cli.run(main)

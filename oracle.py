@@ -23,16 +23,14 @@ FullKV pass; they see the compressed cache's entries with position <= theirs.
 not a bug), the largest bias difference on shared entries and the attention-output error
 ‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error below
 `tol`. Command line: `python oracle.py dump ...` and `python oracle.py compare A B` (exit 0 on
-pass, 1 on fail). README "Test your implementation against this one" shows the format from the
-other side.
+pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your
+implementation against this one" shows the format from the other side.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import platform
-import sys
 from pathlib import Path
 
 import torch
@@ -41,6 +39,7 @@ import calibrate
 import evaluate
 import model as M
 import polykv as P
+from support import cli
 from support import tasks as TK
 from support.errors import UsageError
 
@@ -213,7 +212,8 @@ def summary(res: dict) -> str:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description="Reference files for testing a KV-cache compression implementation.")
+    ap = cli.ArgumentParser(
+        description="Reference files for testing a KV-cache compression implementation.")
     sub = ap.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("dump", help="write the reference file of one method on one prompt")
     d.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
@@ -234,15 +234,21 @@ def main(argv=None):
     c.add_argument("--tol", type=float, default=1e-3, help="max attention-output error, relative to FullKV's")
     args = ap.parse_args(argv)
     if args.cmd == "compare":
+        if not args.tol >= 0:
+            raise UsageError(f"--tol must be a number >= 0, got {args.tol}")
         res = compare(args.a, args.b, args.tol)
         print(summary(res))
-        return 0 if res["passed"] else 1
+        return 0 if res["passed"] else cli.FAILED
     print(f"dump: model={args.model or M.default_model_dir()} method={args.method} budget={args.budget} "
           f"conventions={args.conventions} out={args.out}", flush=True)
     if args.budget < 1:
         raise UsageError(f"budget must be >= 1, got {args.budget}")
+    if Path(args.out).is_dir():
+        raise UsageError(f"cannot write {args.out!r}: it is a folder")
     if not Path(args.out).resolve().parent.is_dir():
         raise UsageError(f"cannot write {args.out!r}: no such folder")
+    cli.at_least(1, probes=args.probes, length=args.length)
+    cli.at_least(0, decode=args.decode)
     m, tok = M.load(args.model, device="cpu")
     if args.tokens:
         ids = read_tokens(args.tokens, m.config.vocab_size)
@@ -262,7 +268,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except UsageError as e:
-        sys.exit(f"error: {e}")
+    cli.run(main)

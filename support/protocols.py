@@ -32,6 +32,8 @@ PROTOCOLS = ("prompt", "context", "agnostic")
 def split(tok, ids: list, sample) -> tuple:
     """(n_prefix, n_question) tokens of the encoded prompt ids (BOS included in the prefix when
     the prompt's encoding has one); n_prefix + n_question < len(ids) (the context is not empty)."""
+    if sample.unsplit:
+        raise UsageError(f"{sample.task} #{sample.index}: {sample.unsplit}")
     if not sample.question:
         raise UsageError(f"{sample.task} #{sample.index}: the sample has no question to split at")
     special = not sample.templated

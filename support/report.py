@@ -11,7 +11,9 @@ from pathlib import Path
 import numpy as np
 
 from support.compare import (LOWER_IS_BETTER, aligned, headline_metrics, interval, leaders, leaders_table,
-                             resample_index, values, versus, versus_table)
+                             resample_index, scored_tasks, values, versus, versus_table)
+from support import cli
+from support.errors import UsageError
 from support.files import read_rows
 
 HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / LongBench score
@@ -85,11 +87,14 @@ def cell(d, fmt, scale=1.0) -> str:
 
 
 def table(summary: list, names, budgets, ruler_tasks) -> str:
-    """Markdown: one row per (budget, method): RULER tasks, answer and text fidelity, memory
-    (prompt entries, peak entries while decoding, allocated slots, each vs FullKV), compression
-    time; then the paired differences to the best uniform rule and PolyKV's gap recovered."""
+    """Markdown: one row per (budget, method): the scores (RULER tasks, then the LongBench
+    datasets the summary holds), answer and text fidelity, memory (prompt entries, peak entries
+    while decoding, allocated slots, each vs FullKV), compression time; then the paired
+    differences to the best uniform rule and PolyKV's gap recovered."""
     get = {(d["method"], d["budget"], d["task"], d["metric"]): d for d in summary}
-    cols = [(u, "string_match_all", u, "{:.1f}", 1) for t in ruler_tasks for u in (t, t + " later", t + " spread")]
+    scored = scored_tasks([(d["task"], d["metric"]) for d in summary], ruler_tasks)
+    cols = [(u, metric, u, "{:.1f}", 1)
+            for t, metric in scored for u in (t, t + " later", t + " spread")]
     cols += [(t, "dnll", t.replace("answer", "ans ΔNLL"), "{:.3f}", 1) for t in ("answer", "answer later", "answer spread")]
     cols += [("fidelity", "kl", "KL", "{:.4f}", 1),
              ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1), ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
@@ -98,12 +103,12 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
              ("memory", "alloc_fraction", "alloc KV %", "{:.1f}", 100),
              ("time", "compress_s", "compress s", "{:.2f}", 1)]
     present = [c for c in cols if any(k[2:] == c[:2] for k in get)]
-    lines = ["| budget | method | " + " | ".join(c[2] for c in present) + " |",
+    lines = ["| " + " | ".join(["budget", "method"] + [c[2] for c in present]) + " |",
              "|---|---|" + "---|" * len(present)]
     for b in budgets:
         for n in names:
             cells = [cell(get.get((n, b, task, metric)), fmt, sc) for task, metric, _, fmt, sc in present]
-            lines.append(f"| {b} | {n} | " + " | ".join(cells) + " |")
+            lines.append("| " + " | ".join([str(b), n] + cells) + " |")
     lines += diff_lines(summary, names, budgets, ruler_tasks)
     return "\n".join(lines)
 
@@ -112,8 +117,9 @@ def diff_lines(summary, names, budgets, ruler_tasks) -> list:
     """Per budget and headline metric: each method minus the best uniform rule, paired 95 %
     interval, 'tie' when it contains 0; then PolyKV's gap recovered with its interval."""
     out = []
+    pairs = [(d["task"], d["metric"]) for d in summary]
     for b in budgets:
-        for task, metric, label in headline_metrics(ruler_tasks):
+        for task, metric, label in headline_metrics(ruler_tasks, pairs):
             rows = [d for d in summary if d["budget"] == b and d["task"] == task and d["metric"] == metric]
             vs = [d for d in rows if "vs_best" in d and d["method"] != "full"]
             if not vs:
@@ -231,13 +237,13 @@ def main(argv=None):
     --leaders the leader of each measure and who ties it (lines, then a Markdown table);
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
-    import argparse
     import json
-    import sys
-    ap = argparse.ArgumentParser(description="Print the table of a finished run (its summary.json).")
+    ap = cli.ArgumentParser(description="Print the table of a finished run (its summary.json).")
     ap.add_argument("summary")
-    ap.add_argument("--methods", default=None)
-    ap.add_argument("--budgets", default=None)
+    ap.add_argument("--methods", default=None,
+                    help="comma list of the run's methods (default: all)")
+    ap.add_argument("--budgets", type=cli.int_list, default=None,
+                    help="comma list of the run's budgets (default: all)")
     ap.add_argument("--protocol", default=None, help="the protocol whose rows to show (default: the run's first)")
     ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
     ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
@@ -247,28 +253,30 @@ def main(argv=None):
                     "one row of panels per protocol of the run, against the compression ratio at one length")
     a = ap.parse_args(argv)
     try:
-        d = json.loads(open(a.summary).read())
+        d = json.loads(Path(a.summary).read_text())
     except (OSError, ValueError) as e:
-        sys.exit(f"error: cannot read {a.summary!r}: {e}")
-    cfg = d["config"]
-    names = a.methods.split(",") if a.methods else cfg["methods"]
-    budgets = [int(b) for b in a.budgets.split(",")] if a.budgets else cfg["budgets"]
-    run = cfg.get("protocols", ["prompt"])
+        raise UsageError(f"cannot read {a.summary!r}: {e}") from None
+    cfg = run_config(d, a.summary)
+    names = pick("--methods", cli.split_names(a.methods, "--methods") if a.methods else None,
+                 cfg["methods"])
+    budgets = pick("--budgets", a.budgets, cfg["budgets"])
+    run = cfg.get("protocols") or ["prompt"]
     proto = a.protocol or run[0]
     if proto not in run:
-        sys.exit(f"error: --protocol {proto!r}: the run has {', '.join(run)}")
-    mine = lambda r: protocol(r) == proto
-    rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets and mine(r)]
+        raise UsageError(f"--protocol {proto!r}: the run has {', '.join(run)}")
+    rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets
+            and protocol(r) == proto]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
     if a.versus or a.leaders:
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
             flag = "--versus" if a.versus else "--leaders"
-            sys.exit(f"error: {flag} needs the per-sample rows beside {a.summary!r} (samples*.jsonl)")
-        samples = [r for f in files for r in read_rows(f, repair=False) if mine(r)]
+            raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} "
+                             "(samples*.jsonl)")
+        samples = [r for f in files for r in read_rows(f, repair=False) if protocol(r) == proto]
         if a.versus and a.versus not in {r["method"] for r in samples}:
-            sys.exit(f"error: --versus {a.versus!r}: no such method in the per-sample rows")
+            raise UsageError(f"--versus {a.versus!r}: no such method in the per-sample rows")
         if a.versus:
             print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
             print("\n" + versus_table(samples, a.versus, names, budgets, cfg["tasks"], ratio_length(cfg)))
@@ -279,10 +287,36 @@ def main(argv=None):
         try:
             import matplotlib  # noqa: F401
         except ImportError:
-            sys.exit("error: --plot needs matplotlib (pip install matplotlib)")
+            raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
         plot(every if a.protocol is None else rows, names, Path(a.summary).parent, length=ratio_length(cfg))
 
 
+def run_config(d, path) -> dict:
+    """The config of a summary.json as evaluate.py writes it ({"config": {...}, "rows": [...]}),
+    or a UsageError saying what the file lacks."""
+    if not isinstance(d, dict) or not isinstance(d.get("config"), dict) \
+            or not isinstance(d.get("rows"), list):
+        raise UsageError(f"{path!r} is not a summary.json of evaluate.py (a JSON object with "
+                         "'config' and 'rows')")
+    lacking = [k for k in ("methods", "budgets", "tasks")
+               if not isinstance(d["config"].get(k), list)]
+    if lacking:
+        raise UsageError(f"{path!r}: its config lacks {', '.join(lacking)}")
+    return d["config"]
+
+
+def pick(option: str, asked, run: list) -> list:
+    """The subset `asked` of the run's values (None: all of them), or a UsageError naming the
+    values the run does not have."""
+    if asked is None:
+        return run
+    unknown = [v for v in asked if v not in run]
+    if unknown:
+        raise UsageError(f"{option}: the run has no {', '.join(map(str, unknown))}; it has "
+                         f"{', '.join(map(str, run))}")
+    return asked
+
+
 if __name__ == "__main__":
-    main()
+    cli.run(main)

@@ -58,6 +58,8 @@ class Sample:
     prefix: str = ""           # prompt = prefix + context + question (support/protocols.py):
     question: str = ""         # the instruction before the context and the query after it
     asks: tuple = ()           # later questions on the same context (Ask): multi-question reuse
+    unsplit: str = ""          # why the prompt cannot be split at its question (protocols.split
+                               # refuses it): a LongBench middle truncation that cut into it
 
 
 @dataclass(frozen=True)

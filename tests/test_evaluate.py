@@ -1,5 +1,7 @@
 """The benchmark runner on a tiny random model: exact FullKV invariants and resumption."""
+import functools
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +11,7 @@ import torch
 
 import evaluate as E
 import model as M
-from support import compare, report
+from support import compare, report, run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -92,6 +94,193 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
     assert timeless(resumed) == timeless(whole) and len(timeless(whole)) < len(whole["rows"])
     lines = (tmp_path / "b" / "samples.jsonl").read_text().splitlines()
     assert len(lines) == len({json.loads(l)["key"] for l in lines}) == 4 * 8 * 2   # nothing done twice
+
+
+# ----------------------------------------------------------------------------- the run folder
+
+def small(tiny_dir, out, *extra):
+    """evaluate.py's argv for a small run of the tiny model: FullKV and SnapKV at B = 24 on two
+    fidelity prompts of 120 tokens (+8); extra options override these."""
+    return ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1",
+            "--methods", "full,snapkv", "--budget", "24", "--tasks", "",
+            "--fidelity-length", "120", "--fidelity-samples", "2", "--cont-len", "8",
+            "--out", str(out), *extra]
+
+
+@pytest.fixture(scope="module")
+def finished(tiny_dir, tmp_path_factory):
+    """A finished small run's folder (copy it before changing it)."""
+    out = tmp_path_factory.mktemp("finished") / "run"
+    E.main(small(tiny_dir, out))
+    return out
+
+
+def contents(folder) -> dict:
+    return {f.name: f.read_bytes() for f in sorted(folder.iterdir())}
+
+
+def lines(folder) -> list:
+    return (folder / "samples.jsonl").read_text().splitlines()
+
+
+@pytest.mark.parametrize("change, named", [
+    (["--seed", "7", "--split", "dev"], ["--seed 0 (asked 7)", "--split test (asked dev)"]),
+    (["--cont-len", "6"], ["--cont-len 8 (asked 6)"]),
+    (["--dtype", "float32"], ["dtype torch.float64 (asked torch.float32)"]),
+    (["--memory", "budget", "--max-new-tokens", "4"], ["--memory equal (asked budget)",
+                                                       "--max-new-tokens 24 (asked 4)"]),
+    (["--report", "--seed", "7"], ["--seed 0 (asked 7)"]),
+])
+def test_a_folder_refuses_settings_that_would_relabel_its_rows(tiny_dir, finished, tmp_path,
+                                                               change, named):
+    """A rerun (or --report) into a finished folder with another seed, split, continuation...:
+    every row key is there, so the run would print the old rows under the new settings; it
+    refuses in one line naming each difference, and the folder stays as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    before = contents(out)
+    with pytest.raises(M.UsageError) as e:
+        E.main(small(tiny_dir, out, *change))
+    assert str(e.value).startswith(f"{str(out)!r} holds rows of other settings: ")
+    assert all(n in str(e.value) for n in named) and "\n" not in str(e.value)
+    assert contents(out) == before
+
+
+def test_a_folder_refuses_another_model_of_the_same_name(tiny_dir, finished, tmp_path):
+    """The model is checked by the hash of its files, not only by its folder's name."""
+    other = tmp_path / "elsewhere" / tiny_dir.name
+    shutil.copytree(tiny_dir, other)
+    m, _ = M.load(other, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        m.norm.weight.mul_(2)
+    M.save(m, other)
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    with pytest.raises(M.UsageError, match=r"holds rows of other settings: model files "
+                                           r"\(sha256\) \w{12}… \(asked \w{12}…\); run with"):
+        E.main(small(other, out))
+
+
+def test_adding_methods_budgets_and_prompts_resumes(tiny_dir, finished, tmp_path):
+    """More methods, budgets and prompts: only the new rows are computed, after the old ones,
+    which stay byte for byte; run.json keeps the union of what was asked."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    old = lines(out)
+    E.main(small(tiny_dir, out, "--methods", "full,snapkv,tova", "--budget", "24,48",
+                 "--fidelity-samples", "3"))
+    new = lines(out)
+    assert new[:len(old)] == old and len(old) == 2 * 2
+    assert len(new) == len({json.loads(line)["key"] for line in new}) == 3 * 2 * 3
+    rec = json.loads((out / "run.json").read_text())
+    assert rec["asked"]["methods"] == ["full", "snapkv", "tova"]
+    assert rec["asked"]["budgets"] == [24, 48]
+    assert rec["asked"]["fidelity_samples"] == 3 and len(rec["code"]) == 1
+    assert rec["settings"]["seed"] == 0 and rec["settings"]["dtype"] == "torch.float64"
+
+
+def test_report_never_shrinks_a_summary_nor_creates_a_folder(tiny_dir, finished, tmp_path):
+    """--report with other methods and budgets would replace the run's summary with an empty
+    one; with a mistyped --out it would create the folder: both refuse, nothing written. Its
+    own options give the same summary; a folder that lost rows keeps its fuller summary."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    before = contents(out)
+    with pytest.raises(M.UsageError, match=r"summary.json' summarizes more than --report asks for "
+                                           r"\(--methods lacks snapkv; --budget lacks 24\)"):
+        E.main(small(tiny_dir, out, "--methods", "full,tova", "--budget", "48", "--report"))
+    assert contents(out) == before
+    typo = tmp_path / "rnu"
+    with pytest.raises(M.UsageError, match="no such run folder"):
+        E.main(small(tiny_dir, typo, "--report"))
+    assert not typo.exists()
+    E.main(small(tiny_dir, out, "--report"))
+    again = json.loads((out / "summary.json").read_text())
+    assert again["rows"] == json.loads(before["summary.json"])["rows"]
+    assert again["config"]["prompts"] == "2 of 2 (--report)"
+    kept = [line for line in lines(out) if json.loads(line)["index"] == 0]   # prompt 1's rows lost
+    (out / "samples.jsonl").write_text("\n".join(kept) + "\n")
+    summary = (out / "summary.json").read_bytes()
+    with pytest.raises(M.UsageError, match=r"--report would replace .* with fewer rows "
+                                           r"\(full at 24 on fidelity dnll \(2 prompts, now 1\) "
+                                           r"and \d+ more\)"):
+        E.main(small(tiny_dir, out, "--report"))
+    assert (out / "summary.json").read_bytes() == summary
+
+
+def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, finished,
+                                                                     tmp_path):
+    """A folder without run.json (written before it existed): its summary's config says what
+    its rows are; the same command resumes and records the folder, another seed is refused."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    (out / "run.json").unlink()
+    with pytest.raises(M.UsageError, match=r"--seed 0 \(asked 7\)"):
+        E.main(small(tiny_dir, out, "--seed", "7"))
+    assert not (out / "run.json").exists()
+    old = lines(out)
+    E.main(small(tiny_dir, out))
+    rec = json.loads((out / "run.json").read_text())
+    assert lines(out) == old and rec["code"] == ["before run.json"]
+    assert rec["settings"]["seed"] == 0
+
+
+@pytest.mark.parametrize("folder, argv", [
+    ("results/long", ["--split", "test", "--threads", "1", "--budget", "64,128,512",
+                      "--protocol", "prompt,context,agnostic", "--methods",
+                      "full,streaming,h2o,tova,snapkv,knorm,expected,kvzip-uniform,pyramidkv,"
+                      "adakv,kvzip,random,polykv,polykv-joint,gracekv", "--tasks",
+                      "niah_single_1,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe",
+                      "--length", "8000", "--samples", "16", "--fidelity-length", "7936",
+                      "--fidelity-samples", "16", "--greedy", "niah_single_1",
+                      "--cache-dir", "results/long/policies"]),
+    ("results/gracekv-ablation-3", ["--split", "test", "--seed", "0", "--tasks", "niah_single_1",
+                                    "--length", "2048", "--budget", "64,128,512,1024",
+                                    "--fidelity-samples", "12", "--samples", "12",
+                                    "--fidelity-length", "1792", "--max-new-tokens", "24",
+                                    "--threads", "1", "--methods",
+                                    "full,snapkv,tova,pyramidkv,adakv,gracekv,"
+                                    "gracekv-nosurprisal"]),
+])
+def test_committed_results_take_their_documented_command(folder, argv):
+    """The committed results/ folders hold no run.json: the command their README documents
+    passes the check (it reads their summary.json and writes nothing), another seed does not."""
+    out = ROOT / folder
+    before = sorted(p.name for p in out.iterdir())
+    for extra, refused in (([], False), (["--seed", "5"], True)):
+        args = E.parse(argv + extra + ["--out", str(out)])
+        fixed = E.run_settings(args, "torch.float32", "0" * 64)
+        check = functools.partial(run_folder.check, out, fixed, {"data": None, "policy": None},
+                                  E.run_grid(args), E.LEGACY_DEFAULTS, False)
+        if refused:
+            with pytest.raises(M.UsageError, match=r"--seed 0 \(asked 5\)"):
+                check()
+        else:
+            assert check() == {}
+    assert sorted(p.name for p in out.iterdir()) == before
+
+
+def test_longbench_scores_are_in_every_table(tiny_dir, tmp_path, capsys):
+    """A LongBench run: its scores are columns of summary.md, of the table it prints and of
+    `python -m support.report`'s, as in summary.json."""
+    data = tmp_path / "data"
+    data.mkdir()
+    row = {"input": "Who met Bob?", "context": "Ann met Bob. " * 8, "answers": ["Ann"]}
+    (data / "hotpotqa.jsonl").write_text((json.dumps(row) + "\n") * 2)
+    out = tmp_path / "run"
+    E.main(small(tiny_dir, out, "--data", str(data), "--fidelity-samples", "0",
+                 "--max-new-tokens", "4"))
+    printed = capsys.readouterr().out
+    summary = json.loads((out / "summary.json").read_text())
+    score = {d["method"]: d for d in summary["rows"] if d["task"] == "hotpotqa"}
+    assert set(score) == {"full", "snapkv"} and score["full"]["metric"] == "qa_f1_score"
+    md = (out / "summary.md").read_text()
+    for table in (md, printed):
+        head = next(line for line in table.splitlines() if line.startswith("| budget | method |"))
+        assert head.split(" | ")[2] == "hotpotqa"
+        assert f"| 24 | full | {report.cell(score['full'], '{:.1f}')} |" in table
+    report.main([str(out / "summary.json")])
+    assert "| budget | method | hotpotqa |" in capsys.readouterr().out
 
 
 def fake_rows(kl, score, n=6):
@@ -228,7 +417,7 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
 ])
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode != 0 and "Traceback" not in r.stderr
+    assert r.returncode == 2 and "Traceback" not in r.stderr     # could not run (support/cli.py)
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.strip().startswith(msg)
 
 
@@ -294,7 +483,7 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     f = tmp_path / "summary.json"
     f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
                              "rows": report.summarize(rows, list(kl), [64], E.baselines())}))
-    with pytest.raises(SystemExit, match="needs the per-sample rows"):
+    with pytest.raises(M.UsageError, match="needs the per-sample rows"):
         report.main([str(f), "--versus", "gracekv"])
     (tmp_path / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
     report.main([str(f), "--versus", "gracekv"])
@@ -304,5 +493,5 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     assert table[0] == "| measure | budget | gracekv-hbar | gracekv-unit |" and table[-3] in out
     assert table[2].startswith("| fidelity KL | 64 | +0.03 [+0.03, +0.03] | ") and table[2].endswith(" tie |")
     assert table[3].startswith("| answer ΔNLL | 64 | +0.06 [+0.06, +0.06] | ")
-    with pytest.raises(SystemExit, match="no such method"):
+    with pytest.raises(M.UsageError, match="no such method"):
         report.main([str(f), "--versus", "snapkv"])

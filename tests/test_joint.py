@@ -100,7 +100,7 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     pol.save(longer)
     with pytest.raises(M.UsageError, match=f"prompt_len={pol.meta['calibration']['prompt_len']} \\(asked 8000\\)"):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text", prompt_len=8000)
-    with pytest.raises(SystemExit, match="joint procedures only"):
+    with pytest.raises(M.UsageError, match="joint procedures only"):
         C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])
 
 

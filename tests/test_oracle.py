@@ -114,13 +114,14 @@ def test_cli_dump_compare_exit_codes(tmp_path):
         r = run("compare", str(tmp_path / f"{f}.st"), str(tmp_path / f"{f}.st"))
         assert r.returncode == 0 and "4/4 (layer, KV head) units agree" in r.stdout, r.stdout + r.stderr
     bad = run("compare", str(tmp_path / "a.st"), str(tmp_path / "t.json"))
-    assert bad.returncode != 0 and bad.stderr.startswith("error: cannot read") and "Traceback" not in bad.stderr
+    assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read")
+    assert "Traceback" not in bad.stderr
     for text, why in (('[1, 2', "is not JSON"), ('{"a": 1}', "non-empty JSON list of integer"),
                       ('[1, 2.5]', "non-empty JSON list of integer"), ('[1, 128]', "token id 128 is outside")):
         (tmp_path / "bad.json").write_text(text)
         r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "bad.json"), "--method", "tova",
                 "--budget", "40", "--out", str(tmp_path / "bad.st"))
-        assert r.returncode == 1 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad.st").exists()
 
 

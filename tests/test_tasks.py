@@ -375,6 +375,26 @@ def test_load_longbench(tmp_path, tok):
                                                                len(tok.encode(s.question, add_special_tokens=False)))
 
 
+def test_a_truncation_into_the_question_is_refused_by_the_split(tmp_path, tok):
+    """A question longer than half the token limit: the middle truncation keeps only its end,
+    which would pass for the whole question; protocols.split refuses that sample, saying why.
+    A long context (the cut falls inside it) still splits, its question whole."""
+    long_question = {"input": "why " * 60, "context": "c" * 100, "answers": ["a"]}
+    long_context = {"input": "Who?", "context": "c" * 1000, "answers": ["a"]}
+    _write_jsonl(tmp_path / "hotpotqa.jsonl", [long_question, long_context])
+    q, c = longbench.load_longbench(tmp_path, tok, max_length=400)
+    assert q.n_tokens == c.n_tokens == 400
+    n = len(tok.encode(q.question, add_special_tokens=False))
+    assert n > 200
+    with pytest.raises(model.UsageError) as e:
+        protocols.split(tok, tok.encode(q.prompt), q)
+    assert str(e.value) == (f"hotpotqa #0: the middle truncation to 400 tokens cut into its "
+                            f"question ({n} tokens, more than half): only --protocol prompt can "
+                            "run it")
+    assert protocols.split(tok, tok.encode(c.prompt), c)[1] == \
+        len(tok.encode(c.question, add_special_tokens=False))
+
+
 @pytest.mark.parametrize("bad, message", [
     ('{"input": "q", "context": "c", "answers": ["a"]}\n{"input": "q", "context": \n', r"hotpotqa\.jsonl:2: not valid JSON"),
     ('{"input": "q", "answers": ["a"]}\n', r"hotpotqa\.jsonl:1: field 'context' missing"),
