@@ -78,9 +78,9 @@ class Settings:
     evidence_stride: int = 4  # layer, every stride-th query of the slots of highest peak R [choice]
     dense_hops: int = 0       # hops of the dense value flow (only its variant reads them)
     beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
-    floor_frac: float = 0.75  # φ: per unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice: dev]
-    eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in ‖μ‖² + ε
-    log_rho_max: float = 20.0  # cap on log(Z̃/Z): D stays finite for extreme logits [choice]
+    floor_frac: float = 0.75  # φ: each unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice]
+    eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in eq. 8's Z² + ε, ‖M‖² + ε
+    log_rho_max: float = 20.0  # guard on log(Z̃/Z): D stays finite in fp32 for extreme logits
     prefetch: int = 2048      # heap entries whose nodes are evaluated together (speed only)
     # the formulas a variant may swap (VARIANTS), each picked once here, never branched on:
     key: Callable = _later("key_unrotated")              # a node's key k̃ (eq. 6)
@@ -97,8 +97,9 @@ class Settings:
     def __post_init__(self):
         if min(self.window, self.slot_min, self.prefetch, self.seeds, self.evidence_stride) < 1:
             raise UsageError("window, slot_min, seeds, prefetch and evidence_stride must be >= 1")
-        if not self.bend_widths or min(self.bend_widths) < 2:      # w = 1: μ₋ = h̄_i, δ₋ = 0 (eq. 4)
-            raise UsageError(f"bend_widths must be a non-empty tuple of widths >= 2, got {self.bend_widths}")
+        if not self.bend_widths or min(self.bend_widths) < 2:   # w = 1: μ₋ = h̄_i, δ₋ = 0 (eq. 4)
+            raise UsageError("bend_widths must be a non-empty tuple of widths >= 2, "
+                             f"got {self.bend_widths}")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
         if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and 0 <= self.hop_forward <= 1
@@ -337,8 +338,8 @@ def beta_local(Rt, mask, nf, beta: float, Tc: int) -> torch.Tensor:
 def distortion(logZ, Z2, mu2, muv, logZp, v2, s):
     """Eq. 8: D and D(drop) of nodes (N,) for their probes u (N, P), each probe in its own
     max-subtracted scale (its largest term over the node's tokens is e^0 = 1, so Z_u >= 1):
-    Z_u = Σ_t e^{q_u·k_t/√D − max}, M_u = Σ_t e^{q_u·k_t/√D − max} v_t, Z̃_u = m e^{q_u·k̃/√D − max},
-    M̃_u = Z̃_u ṽ,  D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
+    Z_u = Σ_t e^{q_u·k_t/√D − max}, M_u = Σ_t e^{q_u·k_t/√D − max} v_t,
+    Z̃_u = m e^{q_u·k̃/√D − max}, M̃_u = Z̃_u ṽ, D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
     Computed from Z_u² (Z2), μ = M/Z (‖μ‖² mu2, ⟨μ, ṽ⟩ muv), ‖ṽ‖² (v2, (N,)) and ρ = Z̃/Z =
     exp(logZp − logZ), so that no exponential of a raw logit is taken: (Z − Z̃)² = Z²(1 − ρ)²,
     ‖M − M̃‖² = Z²‖μ − ρṽ‖², ‖M‖² = Z²‖μ‖². D(drop): Z̃ = 0, M̃ = 0. D(I_v) = Σ_u w_u D_u with
@@ -614,8 +615,8 @@ def best_splits(cx, plan: Plan, ids: list):
     cand = [(a, c, none), (c, b, none)] + ext                                  # K candidate children
     K = len(cand)
     st = node_stats(cx.units, u.repeat(K), *(torch.cat([x[i] for x in cand]) for i in range(3)))
-    valid = (st["n"] > 0).view(K, -1)                                         # (K, N) non-empty children
-    Dc = st["D"].view(K, -1) * valid                                          # (K, N), a leaf's D = 0
+    valid = (st["n"] > 0).view(K, -1)                      # (K, N) the non-empty children
+    Dc = st["D"].view(K, -1) * valid                       # (K, N), a leaf's D = 0
     Rc = st["R"].view(K, -1) * valid
     Rv, Dv = (torch.tensor([getattr(nd[i], f) for i in ids], device=a.device, dtype=Dc.dtype)
               for f in ("R", "D"))

@@ -128,7 +128,7 @@ VARIANTS = {"gracekv": {},
             "gracekv-greedycut": {"slotting": greedy_slots, "bend_depths": (0.5,), "bend_widths": (8,)},
             "gracekv-floor": {"floor": row_floor, "floor_frac": 0.95},     # 95 % exact tokens by ω·R
             "gracekv-massgain": {"split_gain": split_gain_mass},  # eq. 12 with each child's own R
-            "gracekv-hopfloor": {"floor": hop_order_floor},       # the same first seeds in every unit
+            "gracekv-hopfloor": {"floor": hop_order_floor},       # the first seeds, in every unit
             # the first reading, all of them together
             "gracekv-v1": {"rank_adds": rank_with_lookahead, "unit_rows": shared_row, "extract": extract_hole,
                            "split_gain": split_gain_mass,

@@ -253,7 +253,7 @@ def naive_node(cx, j, toks, s):
     val = (w[:, None] * v).sum(0) / w.sum()
     lg = cx.lg[j, toks]                                                       # (n, P) log A
     Z = lg.exp().sum(0)                                                       # (P,) attention mass
-    sh = lg.max(0).values                                                     # each probe's max-subtraction
+    sh = lg.max(0).values                                     # each probe's max-subtraction
     Zs, Mx = (lg - sh).exp().sum(0), (lg - sh).exp().T @ v                    # (P,), (P, D)
     Zp = mm * torch.exp(logit - sh)
     # D_u = (Z − Z̃)²/(Z² + ε) + ‖M − M̃‖²/(‖M‖² + ε), in the probe's max-subtracted scale
@@ -299,11 +299,13 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     mu = torch.randn(3, 1, 8, dtype=torch.float64)
     mu2 = mu.pow(2).sum(-1)                                                   # prototype = exact: ṽ = μ
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
-    D, Dd = GK.distortion(logZ, torch.ones_like(logZ), mu2, mu2, logZ.clone(), mu2[:, 0], GK.Settings())
+    D, Dd = GK.distortion(logZ, torch.ones_like(logZ), mu2, mu2, logZ.clone(), mu2[:, 0],
+                          GK.Settings())
     assert torch.all(D.abs() < 1e-12) and torch.all(Dd > 1.9)
     for big in (1e4, -1e4, 1e30):             # log Z̃ − log Z far beyond exp's range
         lz = torch.tensor([[0.0, -1e4], [big, 5.0]])
-        D, Dd = GK.distortion(lz, 1 + torch.rand(2, 2), torch.rand(2, 2), torch.randn(2, 2), lz + big,
+        D, Dd = GK.distortion(lz, 1 + torch.rand(2, 2), torch.rand(2, 2), torch.randn(2, 2),
+                              lz + big,
                               torch.rand(2), GK.Settings())
         assert torch.isfinite(D).all() and torch.isfinite(Dd).all()
 
@@ -370,7 +372,7 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     frontier = replay(plan, plan.B_alloc)
     per_unit = int(s.floor_frac * (B - r))
     cx = GK.context(m, full, stats, r, s)                                     # the same seeds, fresh
-    if s.floor is GK.seed_floor:              # the floor: each unit's own best seeds, within its reservation
+    if s.floor is GK.seed_floor:              # each unit's own best seeds, within its reservation
         k = min(max(per_unit, 0), len(cx.seeds))
         for j in range(U):
             best = sorted(cx.seeds, key=lambda t: (-float(cx.units.R[j, t]), -t))[:k]

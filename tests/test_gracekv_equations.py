@@ -88,7 +88,7 @@ def bends_eq4(h, w):
         mu_p = [sum(hb[j][f] for j in after) / len(after) for f in range(len(hb[i]))]
         dm = [hb[i][f] - mu_m[f] for f in range(len(hb[i]))]
         dp = [mu_p[f] - hb[i][f] for f in range(len(hb[i]))]
-        cos = dot(dm, dp) / max(norm(dm) * norm(dp), 1e-8)   # torch's cosine_similarity clamps at 1e-8
+        cos = dot(dm, dp) / max(norm(dm) * norm(dp), 1e-8)   # as torch's cosine_similarity
         kappa[i] = 1 - cos
     return kappa
 
@@ -157,7 +157,8 @@ def node_eq6_8(m, q, k, v, R, T, unit, toks, s=SET):
         ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m_v = clamp(n·ħ², 1, n);
     (8) per probe u (max-subtracted): Z = Σ_t e^{q·k_t/√d}, M = Σ_t e^{q·k_t/√d} v_t,
         Z̃ = m e^{q·k̃/√d}, M̃ = Z̃ ṽ, D_u = λ_Z (Z − Z̃)²/(Z² + ε) + λ_M ‖M − M̃‖²/(‖M‖² + ε);
-        D = Σ_u a_u D_u / Σ_u a_u with a_u the attention mass u pays the node; D(drop): Z̃ = M̃ = 0."""
+        D = Σ_u a_u D_u / Σ_u a_u with a_u the attention mass u pays the node;
+        D(drop): Z̃ = M̃ = 0."""
     layer, head = divmod(unit, G)
     n = len(toks)
     kr = [rope(k[layer][head, t], t, m.inv_freq, sign=-1.0) for t in toks]
@@ -190,7 +191,8 @@ def node_eq6_8(m, q, k, v, R, T, unit, toks, s=SET):
             Du = s.lambda_z * (Z - Zt) ** 2 / (Z ** 2 + s.eps) + s.lambda_m * err / (M2 + s.eps)
             Dd = s.lambda_z * Z ** 2 / (Z ** 2 + s.eps) + s.lambda_m * M2 / (M2 + s.eps)
             Dsum, Ddrop, mass = Dsum + a_u * Du, Ddrop + a_u * Dd, mass + a_u
-    return dict(key=key, val=torch.tensor(val, dtype=torch.float64), pos=p, logm=math.log(mult), R=sum(Rt),
+    return dict(key=key, val=torch.tensor(val, dtype=torch.float64), pos=p, logm=math.log(mult),
+                R=sum(Rt),
                 D=Dsum / mass if n > 1 else 0.0, Ddrop=Ddrop / mass)
 
 
@@ -242,7 +244,7 @@ def test_eq9_10_relevance(T, seed, hops):
                         sv[t] += row[t]
             s_hat.append([x_ / sum(sv) for x_ in sv])
     s_bar = torch.tensor([sum(r_[t] for r_ in s_hat) / U for t in range(Tc)], dtype=torch.float64)
-    Amap = torch.zeros(Tc, Tc, dtype=torch.float64)                         # the sampled layers' map
+    Amap = torch.zeros(Tc, Tc, dtype=torch.float64)             # the sampled layers' map
     sampled = GK.depths(s.hop_depths, L)
     for layer in sampled:
         for h in range(H):
@@ -280,7 +282,7 @@ def test_eq11_head_weights(T, seed):
             assert float(cx.omega[layer * G + head]) == pytest.approx(math.sqrt(a * b), rel=1e-10)
 
 
-# ----------------------------------------------------------------------------- eq. (2), floor, (12)-(13)
+# ------------------------------------------------------------------------ eq. (2), floor, (12)-(13)
 
 def plan_for(seed, T, B, s=SET):
     m, x = tiny(seed), tokens(seed, T)
@@ -355,7 +357,7 @@ def test_eq12_gains_and_the_mutation_check(seed):
     assert bad == 0 and splits > 0
     mass = replace(SET, **V.VARIANTS["gracekv-massgain"])
     bad, splits = eq12_mismatches(seed, T, B, mass)
-    assert bad > 0, "the mass-weighted gain passed the eq. (12) check: the test cannot tell them apart"
+    assert bad > 0, "the mass-weighted gain passed the eq. (12) check: it cannot tell them apart"
 
 
 def greedy_eq13(plan):
@@ -363,13 +365,15 @@ def greedy_eq13(plan):
     add (cost 1) at the start; a node's split (cost |child| − 1) enters once the node is in the
     cache; pop the best until B_alloc is spent; an action that no longer fits is dropped
     [choice]; ties to the action queued first (roots in node order)."""
+    def cost_of(entry):
+        return 1 if entry[2] == "add" else plan.split[entry[3]].cost
     queue = [(gain, i, "add", i) for i, gain in plan.add_rank.items()]
     order, left, steps = len(queue), plan.B_alloc, []
     while queue and left > 0:
-        best = max(queue, key=lambda e: (e[0] / (1 if e[2] == "add" else plan.split[e[3]].cost), -e[1]))
+        best = max(queue, key=lambda e: (e[0] / cost_of(e), -e[1]))
         queue.remove(best)
         _, _, kind, v = best
-        cost = 1 if kind == "add" else plan.split[v].cost
+        cost = cost_of(best)
         if cost > left:
             continue
         left -= cost
