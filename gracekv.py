@@ -262,14 +262,17 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     if K <= 1:
         return [(0, Tc)] if Tc else []
     W, hi = s.slot_max - s.slot_min + 1, s.slot_max
-    gain = torch.cat((b.detach().double().cpu(), torch.zeros(1, dtype=torch.float64)))   # b_i at cut i
-    best = torch.full((Tc + 1,), float("-inf"), dtype=torch.float64)
+    # on the CPU whatever the model's device: K small sequential steps, then K reads of a cut
+    cpu = torch.device("cpu")
+    zero = torch.zeros(1, dtype=torch.float64, device=cpu)
+    gain = torch.cat((b.detach().double().cpu(), zero))                 # b_i at cut i
+    best = torch.full((Tc + 1,), float("-inf"), dtype=torch.float64, device=cpu)
     best[0] = 0.0
     back = []
     for k in range(1, K + 1):
-        prev = torch.cat((torch.full((hi,), float("-inf"), dtype=torch.float64), best))   # prev[i + hi] = best(i)
+        prev = F.pad(best, (hi, 0), value=float("-inf"))              # prev[i + hi] = best(i)
         m, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)                 # window of i: j = i − hi .. i − lo
-        back.append(arg + torch.arange(Tc + 1) - hi)                  # the previous cut j
+        back.append(arg + torch.arange(Tc + 1, device=cpu) - hi)      # the previous cut j
         best = m + (gain if k < K else 0.0)
     cuts = [Tc]
     for k in range(K, 0, -1):
@@ -506,7 +509,8 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     for k in range(1, hops + 1):
         if not frontier:
             break
-        mass = (w.to(torch.float64)[:, None] * rows(torch.tensor(frontier))).sum(0).to(s_bar.dtype)   # (Tc,)
+        at = torch.tensor(frontier, device=s_bar.device)
+        mass = (w.to(torch.float64)[:, None] * rows(at)).sum(0).to(s_bar.dtype)   # (Tc,)
         mass[seeds] = 0.0                                            # chosen seeds leave the flow
         d += decay ** (k - 1) * mass
         frontier = order(mass)
@@ -753,7 +757,8 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
             if protos:                                                       # bias log m: m tokens' mass
                 more = (torch.stack([x.key for x in protos]), torch.stack([x.val for x in protos]),
-                        torch.tensor([x.pos for x in protos]), torch.tensor([x.logm for x in protos], dtype=torch.float64))
+                        torch.tensor([x.pos for x in protos], device=dev),
+                        torch.tensor([x.logm for x in protos], dtype=torch.float64, device=dev))
                 k, v, pos, bias = (torch.cat((x, y.to(x))) for x, y in zip((k, v, pos, bias), more))
             o = pos.argsort(stable=True)
             heads.append((k[o], v[o], pos[o], bias[o]))

@@ -235,8 +235,9 @@ class LayerCache:
         """A ragged layer (batch 1) from each KV head's entries [(k (S_g, D), v, pos (S_g,),
         bias (S_g,))], packed head after head in one row."""
         k, v, pos, bias = (torch.cat([h[i] for h in heads])[None, None] for i in range(4))
-        head = torch.cat([torch.full((len(h[2]),), g, dtype=torch.long) for g, h in enumerate(heads)])
-        return cls(k, v, pos, bias, head=head.to(k.device)[None, None])
+        head = torch.cat([torch.full((len(h[2]),), g, dtype=torch.long, device=k.device)
+                          for g, h in enumerate(heads)])                             # (Σ_g S_g,)
+        return cls(k, v, pos, bias, head=head[None, None])
 
     def dense(self, G: int) -> "LayerCache":
         """A ragged layer as the dense layout (batch 1): each head padded to the longest (pos −1,
