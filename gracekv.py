@@ -417,9 +417,10 @@ def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings, phase: in
     if not s.evidence or not slots:
         return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
     Rl = R.view(-1, G, R.shape[1]).mean(1).index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)  # (L, Tc)
-    out = []
-    for row in Rl:
-        best, st = sorted(slots, key=lambda ab: -float(row[ab[0]:ab[1]].max())), s.evidence_stride
+    peaks = torch.stack([Rl[:, a:b].amax(1) for a, b in slots], 1).tolist()   # (L, K), one read
+    out, st = [], s.evidence_stride
+    for peak in peaks:
+        best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
         at = [(t - phase) // st for a, b in best for t in range(a + (phase - a) % st, b, st)]
         out.append(at[:s.evidence])
     return torch.tensor(out, dtype=torch.long, device=R.device)
@@ -502,8 +503,9 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     with every seed chosen so far set to 0, S_k = its n_seeds best (weights d_k);
     d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows). Returns (d̂ (Tc,), seeds)."""
     def order(v):                                                    # best first, ties to the later token
-        best = len(v) - 1 - torch.sort(v.flip(0), descending=True, stable=True).indices
-        return [i for i in best[:n_seeds].tolist() if v[i] > 0]
+        best = (len(v) - 1 - torch.sort(v.flip(0), descending=True, stable=True).indices)[:n_seeds]
+        ids, flows = torch.stack((best, (v[best] > 0).long())).tolist()   # one read
+        return [i for i, f in zip(ids, flows) if f]
     frontier = order(s_bar)
     seeds, w, d = list(frontier), s_bar[frontier], torch.zeros_like(s_bar)
     for k in range(1, hops + 1):
@@ -742,9 +744,12 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
     """Per unit: floor tokens, window and frontier leaves exact (bias 0), prototypes with bias
     log m; sorted by position; a ragged layer (model.LayerCache.pack: no padding)."""
     nd, G, Tc = plan.nodes, full.layers[0].k.shape[1], cx.Tc
-    mine = [[] for _ in range(cx.units.kr.shape[0])]
+    U = cx.units.kr.shape[0]
+    mine, floor = [[] for _ in range(U)], [[] for _ in range(U)]     # per unit: frontier, floor
     for i in sorted(plan.frontier):
         mine[nd[i].unit].append(i)
+    for j, t in plan.floor.nonzero().tolist():                        # one read for every unit
+        floor[j].append(t)
     dev, layers = cx.units.kr.device, []
     for l, lc in enumerate(full.layers):
         heads = []
@@ -752,7 +757,7 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
             j = l * G + g
             protos = [nd[i] for i in mine[j] if nd[i].n > 1]
             leaves = [nd[i].a for i in mine[j] if nd[i].n == 1]
-            ex = sorted(plan.floor[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
+            ex = sorted(floor[j] + leaves) + list(range(Tc, cx.T))
             ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
             if protos:                                                       # bias log m: m tokens' mass
