@@ -33,10 +33,10 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 
 GB = 1e9
-HOST_NODE = 2800       # bytes of host memory per GraceKV plan node (Python records), measured
+HOST_NODE = 2300       # bytes of host memory per GraceKV plan node (Python records), measured
 NAMES = ("streaming", "h2o", "tova", "snapkv", "knorm", "expected", "kvzip-uniform", "random",
          "pyramidkv", "adakv", "kvzip", "polykv", "gracekv")      # the default methods, FullKV aside
 
@@ -73,15 +73,24 @@ class Knobs:
     chunk: int = 256           # polykv.Needs.chunk: query rows per observation chunk
     window: int = 32           # SnapKV's w; GraceKV's r
     future: int = 512          # Expected Attention's future positions
-    repeat: tuple = (8, 12, 5)  # KVzip's instruction, later instruction, suffix (tokens)
-    recon_chunk: int = 2048    # polykv.reconstruct's chunk
+    repeat: tuple = (8, 13, 5)  # KVzip's instruction, later instruction, suffix (tokens)
+    recon_chunk: int = 2048    # polykv.reconstruct's chunk of the prompt
+    recon_rows: int = 256      # reconstruct's query rows per chunk
     surprisal_chunk: int = 512  # model.surprisal's chunk of positions
     evidence: int = 32         # GraceKV: evidence probes per layer, every `stride`-th query
     stride: int = 4
     sampled: int = 3           # GraceKV: hop_depths (layers whose queries the flow keeps)
-    bends: int = 3             # GraceKV: bend_depths
     seeds: int = 64            # GraceKV: seeds per hop
-    slot: int = 64             # GraceKV: slot_target
+
+
+# what each default method observes: polykv.STATS, GraceKV's value flow and the surprisal
+# (PolyKV: a policy may hold any pool rule, so every pool statistic)
+OBSERVES = {"streaming": (), "knorm": (), "random": (), "h2o": ("colsum",), "tova": ("last",),
+            "snapkv": ("window",), "pyramidkv": ("window",), "adakv": ("window",),
+            "expected": ("queries",), "kvzip-uniform": ("recon",), "kvzip": ("recon",),
+            "polykv": ("colsum", "window", "last", "queries", "recon"),
+            "gracekv": ("flow", "surprisal")}
+EVERY = ("colsum", "window", "last", "queries", "recon", "flow", "surprisal")
 
 
 def kv(s: Shape, slots: int) -> int:
@@ -95,137 +104,170 @@ def room(T: int) -> int:
     return T + max(64, T // 4)
 
 
-def layer_pass(s: Shape, T: int, S: int) -> dict:
-    """The largest working set inside one block fed T tokens over S keys (model.Block): the
-    residual stream, its norm, the block's output; the attention side (q and three RoPE
-    temporaries of its size, k, v and their RoPE temporaries, the kernel's output and its
-    reshaped copy); the MLP (silu(gate x), up x and their product live together: 3·T·F)."""
-    stream = 3 * T * s.dim * s.b
+def layer_pass(s: Shape, T: int) -> int:
+    """The largest working set inside one block fed T tokens (model.Block), the residual
+    stream aside: the attention side (q and three RoPE temporaries of its size, the kernel's
+    output and its reshaped copy; k, v and their RoPE temporaries) or the MLP (silu(gate x),
+    up x and their product live together: 3·T·F), whichever is larger."""
     attention = (6 * s.H + 4 * s.G) * T * s.D * s.b
-    mlp = 3 * T * s.F * s.b
-    return {"stream": stream, "layer": max(attention, mlp)}
+    return max(attention, 3 * T * s.F * s.b)
 
 
-def stages(s: Shape, T: int, k: Knobs = Knobs(), host: bool = True) -> dict:
-    """{stage: {term: bytes}}: what each stage holds at its peak, above the model's weights and
-    what the stages before it left (the observation's cache and statistics stay for the
-    compressions; KVzip's scores too). A stage's peak is the sum of its terms. host: count
-    the Python records of GraceKV's plan (True on the CPU, where they share the memory; on a
-    GPU they sit in the host's memory, not the device's)."""
+def stream(s: Shape, T: int) -> int:
+    """The residual stream, its norm and the block's output: 3·T·dim·b."""
+    return 3 * T * s.dim * s.b
+
+
+def held(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
+    """{term: bytes} an observation leaves for the compressions: the FullKV cache with its append
+    room, and per statistic in `needs` what every layer keeps (polykv.observe_layer,
+    query_stats, gracekv.ValueFlow, model.surprisal; KVzip's scores, from its pass)."""
+    L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
+    r = min(k.window, T)
+    each = {"colsum": L * H * T * a, "window": L * H * T * a, "last": L * H * T * a,
+            "queries": L * H * (D + D * D) * a,           # μ' (H, D), Σ' (H, D, D) per layer
+            "recon": L * H * T * a,                       # KVzip's scores (H, T) per layer
+            # x^0 (G, T), the probes (H, r, D) and every stride-th query (H, T/stride, D) of
+            # every layer; the sampled layers' queries (H, T, D) and row normalisers (H, T)
+            "flow": L * (G * T * a + H * (r + -(-T // k.stride)) * D * b) + k.sampled * H * T * (D * b + a),
+            "surprisal": T * a}
+    return {"kv cache": kv(s, room(T)), **{f"{n} (kept)": each[n] for n in needs if n in each}}
+
+
+def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
+    """{term: bytes} at the peak of a prefill observing `needs` (() = the plain prefill; KVzip's
+    pass apart): what it keeps, the stream, and the largest of one block's working set, the
+    observation hook's and the surprisal's (after the last block)."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     c = min(k.chunk, T)
-    out = {}
-    # plain prefill: the cache (with its append room) and one layer's working set
-    out["prefill"] = {"kv cache": kv(s, room(T)), **layer_pass(s, T, T)}
+    # polykv.observe_layer: query rows in descending chunks of c (only the last w rows for the
+    # window alone, the last row for TOVA's); the previous chunk's A (H, c, T) alive while the
+    # next chunk's logits and softmax are made: 3 × (H, c, T) in a; GraceKV's group mean
+    rows = c if {"colsum", "flow"} & set(needs) else min(k.window, T) if "window" in needs else 1
+    chunk = 3 * H * rows * T * a + (G * c * T * a if "flow" in needs else 0)
+    if not {"colsum", "window", "last", "flow"} & set(needs):
+        chunk = 0
+    # query_stats: the un-rotated queries and four RoPE temporaries (H, T, D) in a, and the
+    # (future, D, D) average rotation's four
+    qstats = 5 * H * T * D * a + 4 * k.future * D * D * a if "queries" in needs else 0
+    hook = 2 * H * T * D * b + max(chunk, qstats) if chunk or qstats else 0   # + the layer's q, out
+    # model.surprisal: per chunk of n positions a (n, V) block of logits (in b, then in a) and
+    # its log-softmax in a; from the second chunk on, the previous chunk's log-softmax is alive
+    # while the next one is made
+    n = min(k.surprisal_chunk, max(T - 1, 1))
+    final = n * s.V * (max(b + a, 2 * a) + (a if T - 1 > n else 0)) if "surprisal" in needs else 0
+    return {**held(s, T, needs, k), "stream": stream(s, T),
+            "working set": max(layer_pass(s, T), hook, final)}
 
-    # the shared observation: the same, plus what every layer keeps and the chunk loop's peak
-    per_layer = {
-        "colsum, window, last (L·3·H·T·a)": 3 * L * H * T * a,
-        "query statistics μ, Σ": L * H * (D + D * D) * a,
-        "flow x^0, probes, strided queries": L * (G * T * a + H * (k.window + -(-T // k.stride)) * D * b),
-        "sampled layers' queries and lse": k.sampled * H * T * (D * b + a),
-        "surprisal": T * a,
-    }
-    # polykv.observe_layer: the previous chunk's A alive while the next one's logits and
-    # softmax are made (causal_probs), 3 × (H, c, T); query_stats: the un-rotated queries and
-    # four RoPE temporaries of (H, T, D) in fp32, plus the (future, D, D) rotation average × 4
-    chunk = 3 * H * c * T * a + G * c * T * a       # + ValueFlow.add's group mean (G, c, T)
-    qstats = 5 * H * T * D * a + 4 * k.future * D * D * a
-    # model.surprisal: a (512, V) logit block in b, its fp32 copy (none when b = a) and its
-    # log-softmax
-    surpr = min(k.surprisal_chunk, max(T - 1, 1)) * s.V * (b + a + (a if b != a else 0))
-    held_in_layer = 2 * H * T * D * b            # the layer's q and attention output, alive in the hook
-    out["observation"] = {"kv cache": kv(s, room(T)), **per_layer,
-                          "stream": 3 * T * s.dim * b,
-                          "working set": max(layer_pass(s, T, T)["layer"],
-                                             held_in_layer + max(chunk, qstats), surpr)}
 
-    # KVzip's pass: per chunk of the prompt, a fork of the FullKV cache fed n new tokens; where
-    # the buffer's room is short of n, every layer's cache is copied into a bigger buffer
-    # (LayerCache.append), all held until the step ends; the step's own layer pass with a mask
-    # (n, T + n) in fp32 and bool; the spy's probabilities over (H, 256, 2n) × 3; the scores
+def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs()) -> dict:
+    """{term: bytes} KVzip's reconstruction pass adds to the observation (polykv.reconstruct):
+    per chunk of the prompt a fork of the FullKV cache is fed n new tokens; where the buffer's
+    room is short of n, every layer's cache is copied into a bigger one (LayerCache.append), all
+    held until the step ends; then the largest of the step's block working set, its mask
+    (n, T + n) in a with two bool masks, and the spy's probabilities (H, rows, ≤ 2n) × 3
+    with the keys it concatenates; the scores it keeps (L, H, T)."""
+    L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     n = k.repeat[0] + k.repeat[2] + min(k.recon_chunk, T)
     copy = kv(s, room(T + n)) if n > room(T) - T else 0
-    mask = n * (T + n) * (2 * a + 1)
-    spy = 3 * H * 256 * (2 * n) * a + G * 2 * n * D * b
-    out["kvzip pass"] = {"scores (L·H·T·a)": L * H * T * a, "copied cache": copy,
-                         "stream": 3 * n * s.dim * b,
-                         "working set": max(layer_pass(s, n, T + n)["layer"], mask + spy)}
+    mask = n * (T + n) * (a + 2 + (b if b != a else 0))
+    spy = 3 * H * min(k.recon_rows, n) * (2 * n) * a + G * 2 * n * D * b
+    return {"scores": L * H * T * a, "copied cache": copy, "stream": stream(s, n),
+            "working set": max(layer_pass(s, n), mask, spy)}
 
+
+def compression(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = True) -> dict:
+    """{term: bytes} a method's compression adds to what the observation left. host: count the
+    Python records of GraceKV's plan (on the CPU they share the memory; a GPU run keeps them
+    in the host's memory, not the device's)."""
+    L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     B = min(k.budget, T)
-    small = kv(s, B)                                  # a compressed dense cache
-    sel = 4 * G * T * 8                               # one layer's scores, masked copy, flip, sort (fp64, int64)
-    for name in ("streaming", "h2o", "tova", "snapkv", "random", "kvzip-uniform", "pyramidkv", "polykv"):
-        out[name] = {"compressed cache": small, "selection": sel}
-    # K-norm: the layer's keys in fp64
-    out["knorm"] = {"compressed cache": small, "selection": sel + G * T * D * 8}
-    # Expected Attention: keys repeated to H heads in fp32, k·Σ, its product with k; ‖v‖ in fp32
-    out["expected"] = {"compressed cache": small, "selection": sel + 3 * H * T * D * a + G * T * D * a}
-    out["polykv"]["selection"] = out["expected"]["selection"]          # its layers' worst rule
-    # head-wise: every layer's scores (L, G, T) fp64 kept, stacked (KVzip: over all layers),
-    # masked, flipped and sorted: about five copies; the kept mask and its nonzero indices
-    for name in ("adakv", "kvzip"):
+    small = kv(s, B)                                   # the compressed cache
+    sel = 4 * G * T * 8       # one layer's scores, their masked copy, flip and sort (fp64, int64)
+    extra = {"knorm": G * T * D * 8,                   # the layer's keys in fp64
+             # Expected Attention: keys repeated to H heads in a, k·Σ', its product with k; ‖v‖
+             "expected": 3 * H * T * D * a + G * T * D * a}
+    extra["polykv"] = extra["expected"]                # its worst pool rule
+    if name in ("adakv", "kvzip"):
+        # every layer's scores (G, T) fp64 kept; per selection group (a layer; KVzip: all of
+        # them) the stacked, masked, flipped and sorted copies; the kept mask, its indices
         scope = L if name == "kvzip" else 1
-        out[name] = {"compressed cache": small, "scores": L * G * T * 8,
-                     "selection": 4 * scope * G * T * 8 + L * G * T + L * G * B * 3 * 8}
-
-    # GraceKV (batch 1; U = L·G units, P = g·(r + m) probes, Tc = T − r, all in a = fp32).
+        return {"compressed cache": small, "scores": L * G * T * 8,
+                "selection": 4 * scope * G * T * 8 + L * G * T + L * G * B * 3 * 8}
+    if name != "gracekv":
+        return {"compressed cache": small, "selection": sel + extra.get(name, 0)}
+    # GraceKV (batch 1; U = L·G units, P = g·(r + m) probes, Tc = T − r, all in a).
     # gracekv.context: the units' k° (kr), values and post-RoPE keys (U, Tc+1, D) each, ‖k°‖,
-    # R, ŝ (U, Tc); while they are built, the probes' logits (U, P, T), their row-normalised
-    # slice and its padded transpose (the units' lg) are alive together. Before that,
-    # hop_rows (the sampled layers' queries and keys in fp64, repeated to H heads, the
-    # (H, seeds, Tc) logits ×3) and slot_bends (a (T, 2·G·D) trajectory and eight
-    # temporaries) are smaller. gracekv.allocate: the units stay; each node of the plan holds
-    # its key and value (2·D·a) and, on the host, its Python records (Node, two tensor
-    # views, its split): about 2.8 kB measured at 2K (the one constant not read off shapes);
-    # nodes ≈ 4·U·B (176,660 = 3.8·U·B measured at T = 2048, B = 512)
+    # R, ŝ; while they are built, the probes' logits (U, P, T) and their row-normalised slice
+    # are alive beside the units' own padded copy (lg). hop_rows (the sampled layers' queries
+    # and keys in fp64 repeated to H heads, the (H, seeds, Tc) logits × 3) and slot_bends
+    # (a (T, 2·G·D) trajectory and eight temporaries) come earlier and are smaller.
+    # gracekv.allocate: the units stay; each node of the plan holds its key and value (2·D·a)
+    # and, on the host, its Python records (Node, two tensor views, its split): HOST_NODE
+    # bytes, measured; nodes ≈ 4·U·B (176,660 = 3.8·U·B at T = 2,048, B = 512, measured).
     U, g, r = L * G, H // G, min(k.window, T)
     P = g * (r + k.evidence)
     Tc = max(T - r, 0)
-    units = U * (Tc + 1) * (3 * D + 3) * a + U * (Tc + 1) * P * a + U * Tc
-    probes = 2 * U * P * T * a                  # the logits and their normalised slice
+    if T <= B:
+        return {"compressed cache": 0}                 # FullKV: no observation, nothing made
+    units = units_bytes(s, T, k)
+    probes = 2 * U * P * T * a
     hops = 2 * H * Tc * D * 8 + 3 * H * k.seeds * Tc * 8
     bend = 8 * T * 2 * G * D * a
-    nodes = 4 * U * B if T > B else 0
-    plan = nodes * (2 * D * a + (HOST_NODE if host else 0))
-    out["gracekv"] = {"units (U·(Tc+1)·(3D + 3 + P)·a)": units, "compressed cache": small,
-                      "working set: the context's or the plan's": max(probes, hops, bend, plan)}
-    return out
+    plan = 4 * U * B * (2 * D * a + (HOST_NODE if host else 0))
+    return {"units": units, "compressed cache": small,
+            "working set (the context's or the plan's)": max(probes, hops, bend, plan)}
 
 
-def peaks(s: Shape, T: int, k: Knobs = Knobs(), host: bool = True) -> dict:
-    """{stage: peak bytes}: each stage's terms summed."""
-    return {name: sum(terms.values()) for name, terms in stages(s, T, k, host).items()}
+def units_bytes(s: Shape, T: int, k: Knobs = Knobs()) -> int:
+    """GraceKV's per-prompt tensors that grow with T (gracekv.Context, gracekv.Units): k°, values,
+    post-RoPE keys (U, Tc+1, D), ‖k°‖ and R (U, Tc+1), the probes' log-masses (U, Tc+1, P) in a;
+    ŝ (U, Tc) in a; the holes (U, Tc) bool. (The probes' queries (U, P, D) do not grow with T.)"""
+    U, g, r = s.L * s.G, s.H // s.G, min(k.window, T)
+    P, Tc = g * (r + k.evidence), max(T - r, 0)
+    return U * (Tc + 1) * (3 * s.D + 2 + P) * s.a + U * Tc * s.a + U * Tc
+
+
+def pipeline(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = True) -> int:
+    """A method's peak from the prompt to its compressed cache, weights aside: the largest of
+    its own observation, KVzip's pass on top of it (methods reading `recon`), and its
+    compression on top of what both leave."""
+    needs = OBSERVES[name]
+    kept = sum(held(s, T, needs, k).values())
+    recon = sum(kvzip_pass(s, T, k).values()) if "recon" in needs else 0
+    return max(sum(observation(s, T, needs, k).values()), kept + recon,
+               kept + sum(compression(s, T, name, k, host).values()))
 
 
 # ----------------------------------------------------------------------------- the GPU table
 
 LLAMA_31_8B = dict(L=32, H=32, G=8, D=128, dim=4096, F=14336, V=128256)     # untied head
 QWEN3_8B = dict(L=36, H=32, G=8, D=128, dim=4096, F=12288, V=151936)        # untied head
+MODELS = (("Llama-3.1-8B", LLAMA_31_8B), ("Qwen3-8B", QWEN3_8B))
 
 
-def gpu_table(gpu_gb: float = 80.0, lengths=(8192, 32768, 131072)) -> str:
-    """Markdown: per model and length, the weights, the prefill and the shared observation
-    (+ KVzip's pass) held at once with the largest compression, and which methods fit."""
-    rows = ["| model | T | weights | prefill peak | observation peak | + KVzip pass | method "
-            "(compression peak) over the observation's cache and statistics | fits 80 GB |",
-            "|---|---|---|---|---|---|---|---|"]
-    for label, dims in (("Llama-3.1-8B", LLAMA_31_8B), ("Qwen3-8B", QWEN3_8B)):
-        s = Shape(**dims, b=2, a=4)
-        w = s.weights(tied=False)
-        for T in lengths:
-            st = stages(s, T)
-            p = peaks(s, T)
-            held = sum(v for key, v in st["observation"].items() if key not in ("stream", "working set"))
-            recon = held + p["kvzip pass"]
-            worst = max(NAMES, key=lambda n: p[n])
-            fits = [n for n in NAMES if w + held + (st["kvzip pass"]["scores (L·H·T·a)"] if "kvzip" in n else 0)
-                    + p[n] <= gpu_gb * GB]
-            over = [n for n in NAMES if n not in fits]
-            rows.append(f"| {label} | {T // 1024}K | {w / GB:.1f} | {(w + p['prefill']) / GB:.1f} | "
-                        f"{(w + p['observation']) / GB:.1f} | {(w + recon) / GB:.1f} | {worst} "
-                        f"{(w + held + p[worst]) / GB:.1f} | "
-                        + ("all" if not over else "all but " + ", ".join(over)) + " |")
+def gpu_table(gpu_gb: float = 80.0, lengths=(8192, 32768, 131072), k: Knobs = Knobs()) -> str:
+    """Markdown: GB at the peak of each path, weights included, for each model in bf16 and
+    length; ✗ where it exceeds the GPU. Rows: the FullKV cache alone, the plain prefill, the
+    shared observation of every default method (+ KVzip's pass), then each method alone
+    (`pipeline`; GraceKV's plan records in the host's memory)."""
+    cols = [(label, Shape(**dims, b=2, a=4), T) for label, dims in MODELS for T in lengths]
+    head = "| path | " + " | ".join(f"{label} {T // 1024}K" for label, _, T in cols) + " |"
+    rows = [head, "|---|" + "---|" * len(cols)]
+
+    def row(title, fn):
+        cells = []
+        for _, s, T in cols:
+            gb = (s.weights(tied=False) + fn(s, T)) / GB
+            cells.append(f"{gb:.1f}" + (" ✗" if gb > gpu_gb else ""))
+        rows.append(f"| {title} | " + " | ".join(cells) + " |")
+    row("weights + FullKV cache", lambda s, T: kv(s, T))
+    row("plain prefill", lambda s, T: sum(observation(s, T, (), k).values()))
+    row("shared observation, every default method", lambda s, T: max(
+        sum(observation(s, T, EVERY, k).values()),
+        sum(held(s, T, EVERY, k).values()) + sum(kvzip_pass(s, T, k).values())))
+    for name in NAMES:
+        row(name, lambda s, T, name=name: pipeline(s, T, name, k, host=False))
     return "\n".join(rows)
 
 
@@ -260,77 +302,89 @@ def stage(fn):
 
 
 def mixed_policy(L: int, budget: int, settings):
-    """PolyKV's shape without a calibration: layer l runs the pool rule l mod 6, its own decode
-    form (what a calibrated policy holds at most: one rule per layer)."""
+    """PolyKV's shape without a calibration: layer l runs pool rule l mod |pool| with its own
+    decode form (a calibrated policy holds one rule per layer, any of them)."""
     import polykv as P
     pool = P.pool()
-    layers = [P.LayerPolicy((pool[l % len(pool)], budget), (P.RULES[pool[l % len(pool)]].decode, budget))
-              for l in range(L)]
-    return P.Policy(layers, budget, settings)
+    rules = [pool[l % len(pool)] for l in range(L)]
+    return P.Policy([P.LayerPolicy((r, budget), (P.RULES[r].decode, budget)) for r in rules],
+                    budget, settings)
 
 
 def measure(T: int, budget: int, threads: int) -> dict:
-    """One length in this process (see the module docstring): {stage: measured bytes}, plus the
+    """One length in this process (see the module docstring): {stage: measured bytes}, the
     seconds of each stage and GraceKV's node count."""
     import torch
-    import evaluate as E
     import calibrate
+    import evaluate as E
     import gracekv as GK
     import model as M
     import polykv as P
     from support import tasks as TK
     torch.set_num_threads(threads)
     m, tok = M.load(device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        for p in m.parameters():       # safetensors maps the file: its pages would come and go
+            p.data = p.data.clone()    # with the page cache; copies stay resident
     L = m.config.n_layers
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
     x = torch.tensor([TK.fidelity_text(tok, T, 0)[0]])
+    made = {n: mixed_policy(L, budget, settings) if n == "polykv" else E.method(n, budget, L, settings)
+            for n in NAMES}
+    needs = P.union([meth.needs(m) for meth in made.values()], L)
+    no_recon = replace(needs, stats=tuple(st - {"recon"} for st in needs.stats))
+    recon_layers = [l for l in range(L) if "recon" in needs.stats[l]]
+    got, secs, nodes = {}, {}, None
     with torch.no_grad():
         M.prefill(m, x[:, :64])                                              # warm-up, not counted
-        made = {n: mixed_policy(L, budget, settings) if n == "polykv" else E.method(n, budget, L, settings)
-                for n in NAMES}
-        needs = P.union([meth.needs(m) for meth in made.values()], L)
-        no_recon = P.Needs(tuple(st - {"recon"} for st in needs.stats), needs.window, needs.chunk,
-                           needs.extra, needs.n_sink, needs.future, needs.repeat, needs.surprisal)
-        got, secs = {}, {}
         _, got["prefill"], secs["prefill"] = stage(lambda: M.prefill(m, x))
         (full, obs), got["observation"], secs["observation"] = stage(lambda: P.observe(m, x, no_recon))
-        layers = [l for l in range(L) if "recon" in needs.stats[l]]
         rec, got["kvzip pass"], secs["kvzip pass"] = stage(
-            lambda: P.reconstruct(m, full, x, needs.repeat, layers, needs.n_sink))
+            lambda: P.reconstruct(m, full, x, needs.repeat, recon_layers, needs.n_sink))
         for l, sc in rec.items():
             obs.stats[l]["recon"] = sc
         del rec
-        nodes = None
         for name, meth in made.items():
             GK.CONTEXTS.clear()
-            out, got[name], secs[name] = stage(lambda: meth.compress(m, full, obs))
-            if name == "gracekv" and T > budget:
-                plan = GK.compress(m, full, GK.flow_of(obs, meth.settings.window), budget,
-                                   meth.settings, return_plan=True)[1]
-                nodes = len(plan.nodes)
+            if name == "gracekv":      # its plan too, for the node count
+                flow = GK.flow_of(obs, meth.settings.window)
+                (out, plan), got[name], secs[name] = stage(
+                    lambda: GK.compress(m, full, flow, budget, meth.settings, return_plan=True))
+                nodes = None if plan is None else len(plan.nodes)
+                del plan
+            else:
+                out, got[name], secs[name] = stage(lambda: meth.compress(m, full, obs))
             del out
         GK.CONTEXTS.clear()
     return {"T": T, "budget": budget, "bytes": got, "seconds": secs, "gracekv_nodes": nodes,
             "repeat": [len(r) for r in settings.repeat]}
 
 
-def embedded_shape():
+def embedded_shape() -> Shape:
     import model as M
     from support import checkpoint
-    cfg = M.Config.from_hf(checkpoint.read_config(M.default_model_dir()))
-    return Shape.of(cfg, 4), cfg.tie_embeddings
+    return Shape.of(M.Config.from_hf(checkpoint.read_config(M.default_model_dir())), 4)
+
+
+def formula(s: Shape, T: int, k: Knobs) -> dict:
+    """{stage: bytes} as `measure` reports them: the prefill; the observation of every default
+    method but KVzip's pass; that pass over it; each compression over both."""
+    out = {"prefill": sum(observation(s, T, (), k).values()),
+           "observation": sum(observation(s, T, [n for n in EVERY if n != "recon"], k).values()),
+           "kvzip pass": sum(kvzip_pass(s, T, k).values())}
+    return {**out, **{n: sum(compression(s, T, n, k).values()) for n in NAMES}}
 
 
 def compare(result: dict) -> str:
     """Markdown rows: measured vs formula for one length."""
-    s, _ = embedded_shape()
     k = Knobs(budget=result["budget"], repeat=tuple(result["repeat"]))
-    want = peaks(s, result["T"], k)
+    want = formula(embedded_shape(), result["T"], k)
     rows = []
     for name, got in result["bytes"].items():
         f = want[name]
         rows.append(f"| {result['T']} | {name} | {got / 1e6:.0f} | {f / 1e6:.0f} | "
-                    f"{(f - got) / max(got, 1) * 100:+.0f} % | {result['seconds'][name]:.1f} |")
+                    f"{(f - got) / 1e6:+.0f} ({(f - got) / max(got, 1) * 100:+.0f} %) | "
+                    f"{result['seconds'][name]:.0f} |")
     return "\n".join(rows)
 
 
@@ -347,10 +401,11 @@ def main(argv=None):
         return
     print(f"budget {args.budget}, threads {args.threads}, lengths {args.length}", flush=True)
     if args.table:
-        print(gpu_table())
+        print(gpu_table(k=Knobs(budget=args.budget)))
         return
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "OMP_NUM_THREADS": str(args.threads)}
-    print("| T | stage | measured MB | formula MB | formula − measured | s |\n|---|---|---|---|---|---|")
+    print("| T | stage | measured MB | formula MB | formula − measured MB | s |\n"
+          "|---|---|---|---|---|---|")
     for T in [int(t) for t in args.length.split(",")]:
         cmd = [sys.executable, "-m", "support.memory", "--one", str(T), "--budget", str(args.budget),
                "--threads", str(args.threads)]
