@@ -57,8 +57,8 @@ def methods(L: int, budget: int) -> dict:
     """Every default method but FullKV and the random floor; PolyKV as a mixed policy."""
     settings = P.RuleSettings(repeat=REPEAT)
     names = [n for n in E.default_methods() if n not in ("full", "random")]
-    return {n: mixed_policy(L, budget, settings) if n == "polykv" else E.method(n, budget, L, settings)
-            for n in names}
+    return {n: mixed_policy(L, budget, settings) if n == "polykv"
+            else E.method(n, budget, L, settings) for n in names}
 
 
 @torch.no_grad()
@@ -75,7 +75,8 @@ def run(m, x, budget: int, steps: int, stage) -> dict:
     caches = {}
     for n, meth in made.items():
         caches[n] = stage(f"compress {n}", lambda: meth.compress(m, full, obs), T)
-    stage(f"FullKV: {steps} decoding steps after {T}", lambda: M.greedy(m, full.fork(), steps), steps)
+    stage(f"FullKV: {steps} decoding steps after {T}",
+          lambda: M.greedy(m, full.fork(), steps), steps)
     snap, small = made["snapkv"], caches["snapkv"]
     stage(f"SnapKV B={budget}: {steps} decoding steps",
           lambda: M.greedy(m, small.fork(), steps, (), snap.decoder), steps)

@@ -503,7 +503,8 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     with every seed chosen so far set to 0, S_k = its n_seeds best (weights d_k);
     d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows). Returns (d̂ (Tc,), seeds)."""
     def order(v):                                                    # best first, ties to the later token
-        best = (len(v) - 1 - torch.sort(v.flip(0), descending=True, stable=True).indices)[:n_seeds]
+        rank = torch.sort(v.flip(0), descending=True, stable=True).indices
+        best = (len(v) - 1 - rank)[:n_seeds]
         ids, flows = torch.stack((best, (v[best] > 0).long())).tolist()   # one read
         return [i for i, f in zip(ids, flows) if f]
     frontier = order(s_bar)

@@ -462,7 +462,7 @@ class Attention(nn.Module):
 
     def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
                 sdpa: bool, facts: Optional[tuple] = None):
-        """facts: attention_sdpa's kernel facts for this layer, if the caller read them already."""
+        """facts: attention_sdpa's kernel facts for this layer, if the caller read them."""
         B, T, _ = x.shape
         H, G, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)                  # (B, H, T, D)

@@ -35,8 +35,8 @@ def test_stages_run_on_a_tiny_model_and_keep_each_budget():
         return fn()
     caches = bench_gpu.run(m, x, budget, steps, stage)
     made = bench_gpu.methods(m.config.n_layers, budget)
-    assert names == (["warm-up prefill", "plain prefill", "prefill observing for every default method"]
-                     + [f"compress {n}" for n in made]
+    first = ["warm-up prefill", "plain prefill", "prefill observing for every default method"]
+    assert names == (first + [f"compress {n}" for n in made]
                      + [f"FullKV: {steps} decoding steps after {T}",
                         f"SnapKV B={budget}: {steps} decoding steps"])
     L, G = m.config.n_layers, m.config.n_kv_heads

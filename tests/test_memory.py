@@ -34,9 +34,11 @@ def test_what_an_observation_keeps_equals_the_formula():
                      GK.needs(gset, L)], L)
     full, obs = P.observe(m, x, needs)
     s = MEM.Shape.of(m.config, 8)
-    k = MEM.Knobs(window=W, stride=gset.evidence_stride, sampled=len(GK.depths(gset.hop_depths, L)))
+    sampled = len(GK.depths(gset.hop_depths, L))
+    k = MEM.Knobs(window=W, stride=gset.evidence_stride, sampled=sampled)
     want = MEM.held(s, T, MEM.EVERY, k)
-    assert nbytes(*(getattr(lc.buffer, f) for lc in full.layers for f in M.FIELDS)) == want["kv cache"]
+    buffers = (getattr(lc.buffer, f) for lc in full.layers for f in M.FIELDS)
+    assert nbytes(*buffers) == want["kv cache"]
     for name in ("colsum", "window", "last", "recon"):
         assert nbytes(*(st[name] for st in obs.stats)) == want[f"{name} (kept)"]
     assert nbytes(*(t for st in obs.stats for t in st["queries"])) == want["queries (kept)"]
