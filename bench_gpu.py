@@ -14,7 +14,7 @@ ran:
 Random weights give meaningless text but the real shapes, hence the real costs; KVzip's
 reconstruction prompt is made of placeholder ids of the real prompt's lengths (its cost
 depends on them only). On a machine without CUDA it stops with a one-line error. It has not
-been run on a GPU (none has been lent); `tests/test_bench_gpu.py` runs its stages on a tiny
+been run on a GPU (none was available); `tests/test_bench_gpu.py` runs its stages on a tiny
 model on the CPU, and docs/memory.md computes the peaks it should show.
 """
 from __future__ import annotations
