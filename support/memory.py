@@ -251,29 +251,35 @@ QWEN3_8B = dict(L=36, H=32, G=8, D=128, dim=4096, F=12288, V=151936)        # un
 MODELS = (("Llama-3.1-8B", LLAMA_31_8B), ("Qwen3-8B", QWEN3_8B))
 
 
+def shared(s: Shape, T: int, k: Knobs = Knobs()) -> int:
+    """The harness's one observation for every default method at once, then KVzip's pass over
+    what it keeps: the larger peak, weights aside."""
+    first = [n for n in EVERY if n != "recon"]
+    return max(sum(observation(s, T, first, k).values()),
+               sum(held(s, T, first, k).values()) + sum(kvzip_pass(s, T, k).values()))
+
+
+def paths(s: Shape, T: int, k: Knobs = Knobs()) -> dict:
+    """{path: peak bytes, weights aside} of the GPU table's rows: the FullKV cache alone, the
+    plain prefill, the shared observation, each method alone (`pipeline`; GraceKV's plan records
+    in the host's memory)."""
+    out = {"weights + FullKV cache": kv(s, T),
+           "plain prefill": sum(observation(s, T, (), k).values()),
+           "shared observation, every default method": shared(s, T, k)}
+    return {**out, **{name: pipeline(s, T, name, k, host=False) for name in NAMES}}
+
+
 def gpu_table(gpu_gb: float = 80.0, lengths=(8192, 32768, 131072), k: Knobs = Knobs()) -> str:
-    """Markdown: GB at the peak of each path, weights included, for each model in bf16 and
-    length; ✗ where it exceeds the GPU. Rows: the FullKV cache alone, the plain prefill, the
-    shared observation of every default method (+ KVzip's pass), then each method alone
-    (`pipeline`; GraceKV's plan records in the host's memory)."""
+    """Markdown: GB at the peak of each path (`paths`), weights included, for each model in
+    bf16 and length; ✗ where it exceeds the GPU."""
     cols = [(label, Shape(**dims, b=2, a=4), T) for label, dims in MODELS for T in lengths]
     head = "| path | " + " | ".join(f"{label} {T // 1024}K" for label, _, T in cols) + " |"
+    gb = [{p: (s.weights(tied=False) + v) / GB for p, v in paths(s, T, k).items()}
+          for _, s, T in cols]
     rows = [head, "|---|" + "---|" * len(cols)]
-
-    def row(title, fn):
-        cells = []
-        for _, s, T in cols:
-            gb = (s.weights(tied=False) + fn(s, T)) / GB
-            cells.append(f"{gb:.1f}" + (" ✗" if gb > gpu_gb else ""))
-        rows.append(f"| {title} | " + " | ".join(cells) + " |")
-    row("weights + FullKV cache", lambda s, T: kv(s, T))
-    row("plain prefill", lambda s, T: sum(observation(s, T, (), k).values()))
-    first = [n for n in EVERY if n != "recon"]
-    row("shared observation, every default method", lambda s, T: max(
-        sum(observation(s, T, first, k).values()),
-        sum(held(s, T, first, k).values()) + sum(kvzip_pass(s, T, k).values())))
-    for name in NAMES:
-        row(name, lambda s, T, name=name: pipeline(s, T, name, k, host=False))
+    for p in gb[0]:
+        cells = [f"{c[p]:.1f}" + (" ✗" if c[p] > gpu_gb else "") for c in gb]
+        rows.append(f"| {p} | " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
 
@@ -297,13 +303,14 @@ def peak() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("VmHWM")) * 1024
 
 
-def stage(fn):
-    """(fn(), bytes the resident set peaked above where it stood before, seconds)."""
+def stage(fn, *args, **kwargs):
+    """(fn(*args, **kwargs), bytes the resident set peaked above where it stood before,
+    seconds)."""
     gc.collect()
     before = rss()
     reset_peak()
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(*args, **kwargs)
     return out, peak() - before, time.perf_counter() - t0
 
 
@@ -343,11 +350,10 @@ def measure(T: int, budget: int, threads: int) -> dict:
     got, secs, nodes = {}, {}, None
     with torch.no_grad():
         M.prefill(m, x[:, :64])                                              # warm-up, not counted
-        _, got["prefill"], secs["prefill"] = stage(lambda: M.prefill(m, x))
-        (full, obs), got["observation"], secs["observation"] = stage(
-            lambda: P.observe(m, x, no_recon))
+        _, got["prefill"], secs["prefill"] = stage(M.prefill, m, x)
+        (full, obs), got["observation"], secs["observation"] = stage(P.observe, m, x, no_recon)
         rec, got["kvzip pass"], secs["kvzip pass"] = stage(
-            lambda: P.reconstruct(m, full, x, needs.repeat, recon_layers, needs.n_sink))
+            P.reconstruct, m, full, x, needs.repeat, recon_layers, needs.n_sink)
         for l, sc in rec.items():
             obs.stats[l]["recon"] = sc
         del rec
@@ -356,11 +362,11 @@ def measure(T: int, budget: int, threads: int) -> dict:
             if name == "gracekv":      # its plan too, for the node count
                 flow = GK.flow_of(obs, meth.settings.window)
                 (out, plan), got[name], secs[name] = stage(
-                    lambda: GK.compress(m, full, flow, budget, meth.settings, return_plan=True))
+                    GK.compress, m, full, flow, budget, meth.settings, return_plan=True)
                 nodes = None if plan is None else len(plan.nodes)
                 del plan
             else:
-                out, got[name], secs[name] = stage(lambda: meth.compress(m, full, obs))
+                out, got[name], secs[name] = stage(meth.compress, m, full, obs)
             del out
         GK.CONTEXTS.clear()
     return {"T": T, "budget": budget, "bytes": got, "seconds": secs, "gracekv_nodes": nodes,
