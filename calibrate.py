@@ -158,12 +158,13 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
 
     def spy(layer, q, q_pos, lc, out):
         A = M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)               # (1, H, n, T+n)
-        rec[layer] = (out, float(-torch.xlogy(A, A).sum(-1).mean()))         # H = −Σ_j A log A
+        rec[layer] = (out, -torch.xlogy(A, A).sum(-1).mean())                # H = −Σ_j A log A
 
     xs = []
     x = M.run_layers(model, model.embed_tokens(cont), pos, full.layers, 0, Hooks(post_kernel=spy), xs)  # (1, n, dim)
+    entropy = torch.stack([rec[l][1] for l in range(L)]).tolist()   # one read, after every layer
     return {"full": full, "obs": obs, "cont": cont, "pos": pos, "xs": xs,
-            "out": [rec[l][0] for l in range(L)], "entropy": [rec[l][1] for l in range(L)],
+            "out": [rec[l][0] for l in range(L)], "entropy": entropy,
             "nll": _nll(model, x, cont), "last": x}
 
 

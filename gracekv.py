@@ -263,14 +263,17 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     if K <= 1:
         return [(0, Tc)] if Tc else []
     W, hi = s.slot_max - s.slot_min + 1, s.slot_max
-    gain = torch.cat((b.detach().double().cpu(), torch.zeros(1, dtype=torch.float64)))   # b_i at cut i
-    best = torch.full((Tc + 1,), float("-inf"), dtype=torch.float64)
+    # on the CPU whatever the model's device: K small sequential steps, then K reads of a cut
+    cpu = torch.device("cpu")
+    zero = torch.zeros(1, dtype=torch.float64, device=cpu)
+    gain = torch.cat((b.detach().double().cpu(), zero))                 # b_i at cut i
+    best = torch.full((Tc + 1,), float("-inf"), dtype=torch.float64, device=cpu)
     best[0] = 0.0
     back = []
     for k in range(1, K + 1):
-        prev = torch.cat((torch.full((hi,), float("-inf"), dtype=torch.float64), best))   # prev[i + hi] = best(i)
+        prev = F.pad(best, (hi, 0), value=float("-inf"))              # prev[i + hi] = best(i)
         m, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)                 # window of i: j = i − hi .. i − lo
-        back.append(arg + torch.arange(Tc + 1) - hi)                  # the previous cut j
+        back.append(arg + torch.arange(Tc + 1, device=cpu) - hi)      # the previous cut j
         best = m + (gain if k < K else 0.0)
     cuts = [Tc]
     for k in range(K, 0, -1):
@@ -415,9 +418,10 @@ def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings, phase: in
     if not s.evidence or not slots:
         return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
     Rl = R.view(-1, G, R.shape[1]).mean(1).index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)  # (L, Tc)
-    out = []
-    for row in Rl:
-        best, st = sorted(slots, key=lambda ab: -float(row[ab[0]:ab[1]].max())), s.evidence_stride
+    peaks = torch.stack([Rl[:, a:b].amax(1) for a, b in slots], 1).tolist()   # (L, K), one read
+    out, st = [], s.evidence_stride
+    for peak in peaks:
+        best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
         at = [(t - phase) // st for a, b in best for t in range(a + (phase - a) % st, b, st)]
         out.append(at[:s.evidence])
     return torch.tensor(out, dtype=torch.long, device=R.device)
@@ -500,14 +504,17 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     with every seed chosen so far set to 0, S_k = its n_seeds best (weights d_k);
     d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows). Returns (d̂ (Tc,), seeds)."""
     def order(v):                                                    # best first, ties to the later token
-        best = len(v) - 1 - torch.sort(v.flip(0), descending=True, stable=True).indices
-        return [i for i in best[:n_seeds].tolist() if v[i] > 0]
+        rank = torch.sort(v.flip(0), descending=True, stable=True).indices
+        best = (len(v) - 1 - rank)[:n_seeds]
+        ids, flows = torch.stack((best, (v[best] > 0).long())).tolist()   # one read
+        return [i for i, f in zip(ids, flows) if f]
     frontier = order(s_bar)
     seeds, w, d = list(frontier), s_bar[frontier], torch.zeros_like(s_bar)
     for k in range(1, hops + 1):
         if not frontier:
             break
-        mass = (w.to(torch.float64)[:, None] * rows(torch.tensor(frontier))).sum(0).to(s_bar.dtype)   # (Tc,)
+        at = torch.tensor(frontier, device=s_bar.device)
+        mass = (w.to(torch.float64)[:, None] * rows(at)).sum(0).to(s_bar.dtype)   # (Tc,)
         mass[seeds] = 0.0                                            # chosen seeds leave the flow
         d += decay ** (k - 1) * mass
         frontier = order(mass)
@@ -739,9 +746,12 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
     """Per unit: floor tokens, window and frontier leaves exact (bias 0), prototypes with bias
     log m; sorted by position; a ragged layer (model.LayerCache.pack: no padding)."""
     nd, G, Tc = plan.nodes, full.layers[0].k.shape[1], cx.Tc
-    mine = [[] for _ in range(cx.units.kr.shape[0])]
+    U = cx.units.kr.shape[0]
+    mine, floor = [[] for _ in range(U)], [[] for _ in range(U)]     # per unit: frontier, floor
     for i in sorted(plan.frontier):
         mine[nd[i].unit].append(i)
+    for j, t in plan.floor.nonzero().tolist():                        # one read for every unit
+        floor[j].append(t)
     dev, layers = cx.units.kr.device, []
     for l, lc in enumerate(full.layers):
         heads = []
@@ -749,12 +759,13 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
             j = l * G + g
             protos = [nd[i] for i in mine[j] if nd[i].n > 1]
             leaves = [nd[i].a for i in mine[j] if nd[i].n == 1]
-            ex = sorted(plan.floor[j].nonzero()[:, 0].tolist() + leaves) + list(range(Tc, cx.T))
+            ex = sorted(floor[j] + leaves) + list(range(Tc, cx.T))
             ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
             if protos:                                                       # bias log m: m tokens' mass
                 more = (torch.stack([x.key for x in protos]), torch.stack([x.val for x in protos]),
-                        torch.tensor([x.pos for x in protos]), torch.tensor([x.logm for x in protos], dtype=torch.float64))
+                        torch.tensor([x.pos for x in protos], device=dev),
+                        torch.tensor([x.logm for x in protos], dtype=torch.float64, device=dev))
                 k, v, pos, bias = (torch.cat((x, y.to(x))) for x, y in zip((k, v, pos, bias), more))
             o = pos.argsort(stable=True)
             heads.append((k[o], v[o], pos[o], bias[o]))

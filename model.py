@@ -235,8 +235,9 @@ class LayerCache:
         """A ragged layer (batch 1) from each KV head's entries [(k (S_g, D), v, pos (S_g,),
         bias (S_g,))], packed head after head in one row."""
         k, v, pos, bias = (torch.cat([h[i] for h in heads])[None, None] for i in range(4))
-        head = torch.cat([torch.full((len(h[2]),), g, dtype=torch.long) for g, h in enumerate(heads)])
-        return cls(k, v, pos, bias, head=head.to(k.device)[None, None])
+        head = torch.cat([torch.full((len(h[2]),), g, dtype=torch.long, device=k.device)
+                          for g, h in enumerate(heads)])                             # (Σ_g S_g,)
+        return cls(k, v, pos, bias, head=head[None, None])
 
     def dense(self, G: int) -> "LayerCache":
         """A ragged layer as the dense layout (batch 1): each head padded to the longest (pos −1,
@@ -250,9 +251,10 @@ class LayerCache:
                            for x, val in ((self.k, 0), (self.v, 0), (self.pos, -1), (self.bias, -math.inf)))
         return LayerCache(k, v, pos, bias)
 
-    def real_entries(self) -> int:
-        """Entries that are not padding, summed over batch and heads."""
-        return int((self.pos >= 0).sum())
+    def real_entries(self) -> torch.Tensor:
+        """Entries that are not padding, summed over batch and heads: a 0-dim tensor on the
+        cache's device (reading it is the caller's one host synchronisation)."""
+        return (self.pos >= 0).sum()
 
 
 @dataclass
@@ -272,8 +274,12 @@ class Cache:
                     for _ in range(n_layers)])
 
     def entries(self) -> int:
-        """Real entries (padding excluded), all layers, batch rows and heads."""
-        return sum(lc.real_entries() for lc in self.layers)
+        """Real entries (padding excluded), all layers, batch rows and heads: one read."""
+        return int(self.count())
+
+    def count(self) -> torch.Tensor:
+        """`entries` as a 0-dim tensor on the device, not read (no host synchronisation)."""
+        return torch.stack([lc.real_entries() for lc in self.layers]).sum()
 
     def allocated(self) -> int:
         """Entry slots the k and v tensors hold, padding included: Σ_l B·G·S (bytes = this ×
@@ -344,23 +350,65 @@ def visible_mask(q_pos, k_pos) -> torch.Tensor:
     return (kp <= q_pos[:, None, :, None]) & (kp >= 0)
 
 
-def attention_sdpa(q, k, v, bias, q_pos, k_pos):
-    """Same result as `attention` through torch's fused kernel (flash/memory-efficient on GPU)."""
+def kernel_facts(bias, q_pos, k_pos) -> tuple:
+    """What `attention_sdpa` picks its kernel by, for keys k_pos, bias (B, G, S) and queries at
+    q_pos (B, T): (fresh prefill: the keys are the queries' own tokens, no bias; every key
+    visible to every query; no bias; a finite non-zero bias (a prototype's log m); the same
+    positions and bias in every head). All five are reduced on the device and read in one
+    transfer: one host synchronisation per layer and step, whichever kernel is picked."""
+    S, T = k_pos.shape[2], q_pos.shape[1]
+    no = torch.zeros((), dtype=torch.bool, device=bias.device)
+    zero = (bias == 0).all()
+    fresh = zero & (k_pos == q_pos[:, None, :]).all() if S == T else no
+    before = (k_pos >= 0).all() & (k_pos.flatten(1).amax(1) <= q_pos.amin(1)).all() if S else ~no
+    proto = (bias.isfinite() & (bias != 0)).any()
+    shared = (k_pos == k_pos[:, :1]).all() & (bias == bias[:, :1]).all()
+    return tuple(torch.stack((fresh, before, zero, proto, shared)).tolist())
+
+
+def step_facts(layers: list, q_pos) -> list:
+    """`kernel_facts` of every layer for new tokens at q_pos (B, T), read off the caches as they
+    are *before* the tokens are appended: an append adds, in every head, T entries at the
+    queries' own positions with bias 0, so a layer is a fresh prefill iff it is empty, every key
+    is visible iff the old keys are valid and none is past the earliest query and no query has
+    a later new token beside it (T = 1), and the bias facts and the heads' sameness are those of
+    the old entries. All layers in one transfer: one host synchronisation per step instead of
+    one per layer. None for a ragged layer (`attention_ragged` needs no facts). Tested against
+    kernel_facts (tests/test_model.py)."""
+    q_lo, q_hi = q_pos.amin(1), q_pos.amax(1)                                 # (B,)
+    new = (q_lo >= 0).all() & (q_hi <= q_lo).all()     # the new keys alone: all seen by all
+    rows = []
+    for lc in layers:
+        if lc.head is not None:
+            continue
+        k_pos, bias = lc.pos, lc.bias                                         # (B, G, S) old
+        before = new
+        if lc.size:
+            before = before & (k_pos >= 0).all() & (k_pos.flatten(1).amax(1) <= q_lo).all()
+        rows.append(torch.stack((before, (bias == 0).all(), (bias.isfinite() & (bias != 0)).any(),
+                                 (k_pos == k_pos[:, :1]).all() & (bias == bias[:, :1]).all())))
+    read = iter(torch.stack(rows).tolist() if rows else [])
+    return [None if lc.head is not None else (lc.size == 0, *next(read)) for lc in layers]
+
+
+def attention_sdpa(q, k, v, bias, q_pos, k_pos, facts: Optional[tuple] = None):
+    """Same result as `attention` through torch's fused kernel (flash/memory-efficient on GPU).
+    facts: `kernel_facts` of these tensors if known (`step_facts`), else read here."""
     B, H, T, _ = q.shape
     G, S = k.shape[1], k.shape[2]
-    if bool((S == T) and (bias == 0).all() and (k_pos == q_pos[:, None, :]).all()):
+    fresh, before, zero, proto, shared = facts or kernel_facts(bias, q_pos, k_pos)
+    if fresh:
         # a fresh prefill: keys are exactly the queries' tokens -> plain causal mask
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if q.dtype not in (torch.float32, torch.float64) and bool((bias.isfinite() & (bias != 0)).any()):
+    if q.dtype not in (torch.float32, torch.float64) and proto:
         # an fp32 bias (GraceKV's log m) would be rounded to q's bf16/fp16 in SDPA's mask:
         # the explicit attention keeps it exact (softmax in fp32)
         return attention(q, k, v, bias, q_pos, k_pos)
-    before = S == 0 or bool((k_pos >= 0).all() and (k_pos.flatten(1).amax(1) <= q_pos.amin(1)).all())
-    if before and bool((bias == 0).all()):
+    if before and zero:
         # every key visible to every query (a decoding step over tokens): no mask, so the
         # fused kernels stay available
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    if bool((k_pos == k_pos[:, :1]).all() and (bias == bias[:, :1]).all()):
+    if shared:
         k_pos, bias = k_pos[:, :1], bias[:, :1]       # one mask for all heads (B, 1, T, S): no H copies
     mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))  # (B, G|1, T, S)
     if mask.shape[1] > 1:
@@ -412,7 +460,9 @@ class Attention(nn.Module):
             self.q_norm, self.k_norm = RMSNorm(D, cfg.rms_eps), RMSNorm(D, cfg.rms_eps)
         self.cfg = cfg
 
-    def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks], sdpa: bool):
+    def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
+                sdpa: bool, facts: Optional[tuple] = None):
+        """facts: attention_sdpa's kernel facts for this layer, if the caller read them."""
         B, T, _ = x.shape
         H, G, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)                  # (B, H, T, D)
@@ -427,9 +477,10 @@ class Attention(nn.Module):
         lc = lc.append(k, v, pos)                                             # S += T
         if lc.head is not None:                                               # a ragged layer
             out = attention_ragged(q, lc, pos, G)                             # (B, H, T, D)
+        elif sdpa:
+            out = attention_sdpa(q, lc.k, lc.v, lc.bias, pos, lc.pos, facts)  # (B, H, T, D)
         else:
-            kernel = attention_sdpa if sdpa else attention
-            out = kernel(q, lc.k, lc.v, lc.bias, pos, lc.pos)                 # (B, H, T, D)
+            out = attention(q, lc.k, lc.v, lc.bias, pos, lc.pos)              # (B, H, T, D)
         if hooks and hooks.post_kernel:
             hooks.post_kernel(layer, q, pos, lc, out)
         if hooks and hooks.cache_update:
@@ -458,9 +509,11 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.rms_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks], sdpa: bool):
+    def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
+                sdpa: bool, facts: Optional[tuple] = None):
         """x (B, T, dim) at positions pos (B, T) -> (x', lc'): pre-norm residual block."""
-        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, sdpa)
+        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, sdpa,
+                               facts)
         x = x + a                                                             # (B, T, dim)
         return x + self.mlp(self.post_attention_layernorm(x)), lc
 
@@ -497,8 +550,10 @@ class Llama(nn.Module):
         B, T = tokens.shape
         pos = torch.arange(cache.next_pos, cache.next_pos + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)                                         # (B, T, dim)
+        facts = step_facts(cache.layers, pos) if self.sdpa else [None] * len(self.layers)
         for l, blk in enumerate(self.layers):
-            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.sdpa)
+            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.sdpa,
+                                     facts[l])
         if hooks is not None and hooks.final is not None:
             hooks.final(self.norm(x))
         if last_only:
@@ -526,10 +581,14 @@ def run_layers(model: Llama, x, pos, caches: list, start: int = 0, hooks: Option
     attending to caches[l] (LayerCache) plus the new tokens; the caches are not rebound, so a
     shared FullKV prefill stays as it was. streams: if given, receives the stream entering each
     block. Returns the last block's output (B, T, dim), before the final norm."""
-    for l in range(start, model.config.n_layers):
+    L = model.config.n_layers
+    facts = [None] * L                     # attention_sdpa's facts of every layer: one read
+    if model.sdpa:
+        facts[start:] = step_facts(caches[start:L], pos)
+    for l in range(start, L):
         if streams is not None:
             streams.append(x)
-        x, _ = model.layers[l](x, pos, caches[l], model.inv_freq, l, hooks, model.sdpa)
+        x, _ = model.layers[l](x, pos, caches[l], model.inv_freq, l, hooks, model.sdpa, facts[l])
     return x
 
 
@@ -587,10 +646,12 @@ def teacher_force(model: Llama, cache: Cache, target: torch.Tensor, decoder: Opt
     of an item take the same path (docs/protocol.md, "Same numerical path")."""
     n = target.shape[1]
     steps = [slice(i, i + 1) for i in range(n - 1)] if stepwise else [slice(0, n - 1)] * (n > 1)
-    rows, entries, slots = [cache.last_logits[:, None]], cache.entries(), cache.allocated()
+    rows, counts, slots = [cache.last_logits[:, None]], [cache.count()], cache.allocated()
     for s in steps:
         rows.append(decode(model, target[:, s], cache, decoder))            # (1, |s|, V)
-        entries, slots = max(entries, cache.entries()), max(slots, cache.allocated())
+        counts.append(cache.count())        # read once, after the last step (not per step)
+        slots = max(slots, cache.allocated())
+    entries = int(torch.stack(counts).max())
     return torch.log_softmax(torch.cat(rows, 1)[0].float(), -1), (entries, slots)   # (n, V)
 
 

@@ -160,7 +160,9 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
     the column sums, the window sums, the last row and every extra statistic. Rows no statistic
     reads are skipped. Returns ({name: (B, H, T)}, {extra name: value})."""
     B, H, T, D = q.shape
-    assert lc.size == T and not lc.bias.any(), "observe_layer reads a fresh prefill (key j at position j)"
+    # a fresh prefill's bias is 0 by construction (model.LayerCache.append); it is not read
+    # here, which would cost a host synchronisation per layer
+    assert lc.size == T, "observe_layer reads a fresh prefill (key j at position j)"
     names = [k for k in names if k in ATTENTION_STATS]
     lowest = 0 if "colsum" in names else \
         min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T, layer) for _, st in extra])
@@ -349,12 +351,16 @@ def group_mean(s: torch.Tensor, G: int) -> torch.Tensor:
     return s.view(B, G, H // G, S).mean(2)
 
 
-def none_protected(T: int) -> torch.Tensor:
-    return torch.zeros(T, dtype=torch.bool)
+def none_protected(T: int, device=None) -> torch.Tensor:      # (T,) nothing protected
+    return torch.zeros(T, dtype=torch.bool, device=device)
 
 
-def recent(T: int, w: int) -> torch.Tensor:      # (T,) the last w positions
-    return torch.arange(T) >= T - w
+def recent(T: int, w: int, device=None) -> torch.Tensor:     # (T,) the last w positions
+    return torch.arange(T, device=device) >= T - w
+
+
+def sinks(T: int, n: int, device=None) -> torch.Tensor:      # (T,) the first n positions
+    return torch.arange(T, device=device) < n
 
 
 # ----------------------------------------------------------------------------- the rules
@@ -364,7 +370,9 @@ def streaming(x: ScoreInput):
     """StreamingLLM (Xiao et al. 2023, `streaming_llm/kv_cache.py`): the first n_sink tokens
     (attention sinks) + the most recent; score = position."""
     B, G, T = x.shape
-    return torch.arange(T, dtype=torch.float64).expand(B, G, T), torch.arange(T) < x.settings.n_sink
+    dev = x.k.device
+    return (torch.arange(T, dtype=torch.float64, device=dev).expand(B, G, T),
+            sinks(T, x.settings.n_sink, dev))
 
 
 @rule("h2o", needs={"colsum"}, decode="h2o")
@@ -372,7 +380,7 @@ def h2o(x: ScoreInput):
     """H2O (Zhang et al. 2023, `h2o_hf/utils_hh/modify_llama.py`; KVCache-Factory's one-shot
     form): s_j = Σ_{all i} A[h,i,j], group mean; the recent r = w tokens kept."""
     B, G, T = x.shape
-    return group_mean(x.stats["colsum"], G), recent(T, x.settings.window)
+    return group_mean(x.stats["colsum"], G), recent(T, x.settings.window, x.k.device)
 
 
 @rule("tova", needs={"last"}, decode="tova")
@@ -382,8 +390,8 @@ def tova(x: ScoreInput):
     B, G, T = x.shape
     sc = x.stats["last"].mean(1, keepdim=True).expand(B, G, T)
     if x.settings.tova_keep_last:        # kvpress: scores of keys < T−1, the last token kept
-        return sc, torch.arange(T) == T - 1
-    return sc, none_protected(T)
+        return sc, torch.arange(T, device=x.k.device) == T - 1
+    return sc, none_protected(T, x.k.device)
 
 
 @rule("snapkv", needs={"window"})
@@ -398,7 +406,7 @@ def snapkv(x: ScoreInput):
         pool = F.max_pool1d if s.pool == "max" else F.avg_pool1d              # avg: kvpress
         win = pool(win, s.kernel, stride=1, padding=s.kernel // 2)            # (B, H, T−w)
     sc = torch.cat((group_mean(win, G), win.new_zeros(B, G, T - win.shape[2])), 2)
-    return sc, recent(T, s.window)
+    return sc, recent(T, s.window, x.k.device)
 
 
 @rule("knorm")
@@ -408,7 +416,7 @@ def knorm(x: ScoreInput):
     s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the norm
     of the post-RoPE key is the norm of the key."""
     B, G, T = x.shape
-    return -x.k.double().norm(dim=-1), none_protected(T)
+    return -x.k.double().norm(dim=-1), none_protected(T, x.k.device)
 
 
 @rule("expected", needs={"queries"})
@@ -424,7 +432,7 @@ def expected(x: ScoreInput):
     k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
     logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
     sc = group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
-    return F.pad(sc, (n, 0)), torch.arange(T) < n
+    return F.pad(sc, (n, 0)), sinks(T, n, x.k.device)
 
 
 @rule("kvzip", needs={"recon"})
@@ -434,15 +442,17 @@ def kvzip(x: ScoreInput):
     This per-head form is PolyKV's pool rule; KVzip's own allocation is global (`ALLOCATIONS`)."""
     B, G, T = x.shape
     r = x.stats["recon"]
-    return r.view(B, G, r.shape[1] // G, T).amax(2), torch.arange(T) < x.settings.n_sink
+    return r.view(B, G, r.shape[1] // G, T).amax(2), sinks(T, x.settings.n_sink, x.k.device)
 
 
 @rule("random", pool=False)
 def random(x: ScoreInput):
-    """A floor: uniform random scores from (seed, layer)."""
+    """A floor: uniform random scores from (seed, layer), drawn on the CPU's generator whatever
+    the model's device (the same scores on every device), then moved to the keys' device."""
     B, G, T = x.shape
-    g = torch.Generator().manual_seed(x.settings.seed * 100003 + x.layer)
-    return torch.rand(1, G, T, generator=g, dtype=torch.float64).expand(B, G, T), none_protected(T)
+    g = torch.Generator("cpu").manual_seed(x.settings.seed * 100003 + x.layer)
+    sc = torch.rand(1, G, T, generator=g, dtype=torch.float64, device="cpu").to(x.k.device)
+    return sc.expand(B, G, T), none_protected(T, x.k.device)
 
 
 # ----------------------------------------------------------------------------- selection
@@ -484,16 +494,16 @@ class DecodeRule:
 
 
 def _stream_decode(lc, last, s):       # rolling: drop the oldest non-sink (lowest position)
-    return lc.pos.double(), torch.arange(lc.size) < s.n_sink
+    return lc.pos.double(), sinks(lc.size, s.n_sink, lc.k.device)
 
 
 def _h2o_decode(lc, last, s):          # lowest running Σ_i A outside the recent r = w entries
-    return lc.acc, torch.arange(lc.size) >= lc.size - s.window
+    return lc.acc, recent(lc.size, s.window, lc.k.device)
 
 
 def _tova_decode(lc, last, s):         # lowest attention of the current query, mean over H
     B, G = lc.k.shape[:2]
-    return last.mean(1, keepdim=True).expand(B, G, -1), none_protected(lc.size)
+    return last.mean(1, keepdim=True).expand(B, G, -1), none_protected(lc.size, lc.k.device)
 
 
 DECODE = {"append": DecodeRule("append", None),
@@ -777,21 +787,27 @@ class Headwise(Method):
         B, G, T, _ = full.layers[0].k.shape
         if self.budget >= T:
             return Cache(list(full.layers), full.next_pos, full.last_logits)
+        dev = full.layers[0].k.device        # the selection runs where the scores are
         scores = []
         for l, lc in enumerate(full.layers):
             sc, prot = score(self.rule, ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
-            sc = sc[0].double().cpu().masked_fill(prot, float("inf"))                 # (G, T)
+            sc = sc[0].double().to(dev).masked_fill(prot.to(dev), float("inf"))     # (G, T)
             if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
                 n_safe = max(1, int(self.budget * self.alpha))
-                sc = sc.scatter(1, select(sc[None], n_safe, torch.zeros(T, dtype=torch.bool))[0], float("inf"))
+                top = select(sc[None], n_safe, none_protected(T, dev))[0]           # (G, n_safe)
+                sc = sc.scatter(1, top, float("inf"))
             scores.append(sc)
         kept = []                                      # the best pairs of each group: (L', G, T) bool
         for sc in ([torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]):
-            idx = select(sc.reshape(1, 1, -1), sc.shape[0] * G * self.budget, torch.zeros(sc.numel(), dtype=torch.bool))
-            kept.append(torch.zeros(sc.numel(), dtype=torch.bool).index_fill(0, idx[0, 0], True).view(sc.shape))
-        kept, dev = torch.cat(kept), full.layers[0].k.device                            # (L, G, T)
-        return Cache([lc.ragged([kept[l, g].nonzero()[:, 0].to(dev) for g in range(G)])
-                      for l, lc in enumerate(full.layers)], full.next_pos, full.last_logits)
+            none = none_protected(sc.numel(), dev)
+            idx = select(sc.reshape(1, 1, -1), sc.shape[0] * G * self.budget, none)
+            kept.append(none.index_fill(0, idx[0, 0], True).view(sc.shape))
+        kept = torch.cat(kept)                                                         # (L, G, T)
+        # every head's kept positions from one nonzero and one read of the counts (two host
+        # synchronisations in all, not one per (layer, head))
+        at = kept.nonzero()[:, 2].split(kept.sum(-1).flatten().tolist())   # [(S_lg,)] * L·G
+        return Cache([lc.ragged(list(at[l * G:(l + 1) * G])) for l, lc in enumerate(full.layers)],
+                     full.next_pos, full.last_logits)
 
 
 @torch.no_grad()
