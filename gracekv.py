@@ -342,7 +342,8 @@ def distortion(logZ, Z2, mu2, muv, logZp, v2, s):
     """Eq. 8: D and D(drop) of nodes (N,) for their probes u (N, P), each probe in its own
     max-subtracted scale (its largest term over the node's tokens is e^0 = 1, so Z_u >= 1):
     Z_u = Σ_t e^{q_u·k_t/√D − max}, M_u = Σ_t e^{q_u·k_t/√D − max} v_t,
-    Z̃_u = m e^{q_u·k̃/√D − max}, M̃_u = Z̃_u ṽ, D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
+    Z̃_u = m e^{q_u·k̃/√D − max}, M̃_u = Z̃_u ṽ,
+    D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
     Computed from Z_u² (Z2), μ = M/Z (‖μ‖² mu2, ⟨μ, ṽ⟩ muv), ‖ṽ‖² (v2, (N,)) and ρ = Z̃/Z =
     exp(logZp − logZ), so that no exponential of a raw logit is taken: (Z − Z̃)² = Z²(1 − ρ)²,
     ‖M − M̃‖² = Z²‖μ − ρṽ‖², ‖M‖² = Z²‖μ‖². D(drop): Z̃ = 0, M̃ = 0. D(I_v) = Σ_u w_u D_u with

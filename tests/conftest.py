@@ -34,6 +34,16 @@ def tiny(seed=0, L=3, H=4, G=2, sdpa=True, bias=False):
     return m
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for tiny models: on a busy 2-core machine two threads run them many
+    times slower. A module opts in with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def pytest_configure(config):
     config.addinivalue_line(
         "markers", "embedded: needs the embedded SmolLM2 default (fetched once from the package "

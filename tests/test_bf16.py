@@ -1,7 +1,7 @@
 """bf16 against fp32 on the CPU: one tiny LLaMA whose weights are bf16 numbers, run once in fp32
 and once in bf16 (weights, activations, k and v in bf16; attention softmax, observation
-statistics, scores, the cache's bias and the logits in fp32, as SPEC §6 "same numerical path"
-asks). Every comparison is made in fp32 or fp64 on the fp32-returned quantities.
+statistics, scores, the cache's bias and the logits in fp32, as docs/protocol.md's "same
+numerical path" asks). Every comparison is made in fp32 or fp64 on the fp32-returned quantities.
 
 The tolerance, from bf16's 8 significant bits: one rounding moves a value by at most
 u = 2⁻⁸ of itself. On the way to a logit or a score, each of the L blocks rounds the residual
@@ -53,13 +53,7 @@ KL_ALLOWANCE = 0.25           # |KL_bf16 − KL_fp32| <= this · KL_fp32 (empiri
 SEEDS = (0, 1, 2)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (on a busy 2-core machine, 2 threads run much slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
 
 def pair(seed: int):

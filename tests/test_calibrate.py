@@ -14,13 +14,7 @@ import polykv as P
 from model import UsageError
 from conftest import REPEAT, tiny as tiny_llama
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (on a busy 2-core machine, 2 threads run ~20x slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=7, repeat=REPEAT)

@@ -26,13 +26,7 @@ GSET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=
 T, BUDGET, N = 48, 12, 5          # prompt, budget per (layer, KV head), teacher-forced tokens
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: one intra-op thread (on a busy 2-core machine, 2 threads run much slower)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
 
 def on_meta_default(fn, *args):

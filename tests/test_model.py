@@ -37,14 +37,7 @@ LLAMA3_SMALL = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
 
 # ----------------------------------------------------------------------------- tiny models
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: torch's intra-op threads only add overhead (10x slower on a busy 2-core box);
-    the 135M embedded model decodes one token at a time, where they barely help either."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
 
 @st.composite
