@@ -9,7 +9,9 @@ import calibrate as C
 import model as M
 import polykv as P
 from support import policy_tables
-from test_calibrate import SET, B, one_thread, texts, tiny  # noqa: F401  (fixture)
+from test_calibrate import SET, B, texts, tiny
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
 
 @torch.no_grad()
