@@ -17,7 +17,7 @@ import gracekv as GK
 import model as M
 from conftest import tiny as tiny_llama
 from support import gracekv_variants as V
-from test_gracekv import naive_propagate
+from test_gracekv import naive_propagate, tokens
 
 L, H, G, D = 2, 4, 2, 8                   # the tiny model: g = 2 query heads per KV head
 g = H // G
@@ -29,10 +29,6 @@ SET = GK.Settings(window=R_WIN, slot_min=3, slot_max=8, slot_target=5, bend_widt
 
 def tiny(seed):
     return tiny_llama(seed, L=L)
-
-
-def tokens(seed, T):
-    return torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
 
 
 def observed(m, x):
