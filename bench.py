@@ -24,7 +24,7 @@ import torch
 
 import calibrate
 import evaluate as E
-import gracekv as GK
+import gracekv_variants as GV
 import model as M
 import polykv as P
 from support import cli
@@ -49,7 +49,12 @@ def timed_pair(fa, fb, repeat: int):
         ta.append(timed(fa, 1)[0])
         t, out = timed(fb, 1)
         tb.append(t)
-    return statistics.median(ta), statistics.median(tb), statistics.median(b / a for a, b in zip(ta, tb)), out
+    return (
+        statistics.median(ta),
+        statistics.median(tb),
+        statistics.median(b / a for a, b in zip(ta, tb)),
+        out,
+    )
 
 
 def decode_ms(m, cache, steps: int, repeat: int, decoder=None) -> float:
@@ -81,9 +86,8 @@ def hf_decode_ms(folder, ids, steps: int, repeat: int):
 
 
 def cold(method, m, full, obs):
-    """method.compress, with nothing kept from an earlier call (GraceKV keeps a prompt's
-    budget-independent steps for its next budget: a compression is timed with them)."""
-    GK.CONTEXTS.clear()
+    """method.compress, with nothing kept from an earlier call (the methods here hold no
+    gracekv.context_memo: GraceKV's compression is timed with its budget-independent steps)."""
     return method.compress(m, full, obs)
 
 
@@ -108,20 +112,31 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
     x = torch.tensor([TK.fidelity_text(tok, length, 1)[0]], device=m.device)    # (1, T)
     M.prefill(m, x)                                                           # warm-up, untimed
     everyone = [ms[budgets[0]] for ms in made.values()]
-    t_plain, t_obs, ratio, (full, obs) = timed_pair(lambda: M.prefill(m, x), lambda: P.observe_for(m, x, everyone),
-                                                    repeat)
+    t_plain, t_obs, ratio, (full, obs) = timed_pair(
+        lambda: M.prefill(m, x), lambda: P.observe_for(m, x, everyone), repeat
+    )
     rec = obs.seconds.get("recon", 0.0)
-    print(f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every method below "
-          f"{t_obs:.2f} s = {ratio:.2f}x plain (median ratio of {repeat} interleaved pairs), of which "
-          f"KVzip's reconstruction pass {rec:.2f} s ({rec / t_plain:.2f}x plain, in the kvzip rows)")
-    print("| method | " + " | ".join(f"compress s @ {b} (÷ plain prefill) · peak GB" for b in budgets) + " |")
+    print(
+        f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every method "
+        f"below "
+        f"{t_obs:.2f} s = {ratio:.2f}x plain (median ratio of {repeat} interleaved pairs), of "
+        f"which "
+        f"KVzip's reconstruction pass {rec:.2f} s ({rec / t_plain:.2f}x plain, in the kvzip rows)"
+    )
+    print(
+        "| method | "
+        + " | ".join(f"compress s @ {b} (÷ plain prefill) · peak GB" for b in budgets)
+        + " |"
+    )
     print("|---|" + "---|" * len(budgets))
     for name, ms in made.items():
         cells = []
         for b in budgets:
             t, (_, peak) = timed(lambda: peak_rss_gb(lambda: cold(ms[b], m, full, obs)), repeat)
             t += E.own_pass(m, ms[b], obs)
-            cells.append(f"{t:.3f} ({t / t_plain:.2f}x) · " + (f"{peak:.2f}" if peak is not None else "n/a"))
+            cells.append(
+                f"{t:.3f} ({t / t_plain:.2f}x) · " + (f"{peak:.2f}" if peak is not None else "n/a")
+            )
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
@@ -131,7 +146,11 @@ def main(argv=None):
     ap.add_argument("--model", default=None)
     ap.add_argument("--length", type=cli.int_list, default=[2048],
                     help="prompt lengths of the observation benchmark (comma list)")
-    ap.add_argument("--methods", default=None, help="methods of the compression table (default: the default methods)")
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help="methods of the compression table (default: the default methods)",
+    )
     ap.add_argument("--budget", type=cli.int_list, default=[128, 512])
     ap.add_argument("--contexts", type=cli.int_list, default=[128, 2048, 8000],
                     help="FullKV decoding contexts")
@@ -144,19 +163,21 @@ def main(argv=None):
     names = cli.split_names(args.methods, "--methods") if args.methods else \
         [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
     uncalibrated = [n for n in E.all_methods() if E.family(n) != "polykv"]   # PolyKV's calibrate
-    bad = [n for n in names if n not in uncalibrated and not GK.is_row(n)]
+    bad = [n for n in names if n not in uncalibrated and not GV.is_row(n)]
     if bad:
         raise M.UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(uncalibrated)}")
     for n in names:
-        if GK.is_row(n):
-            GK.variant(n, 1)                           # its [settings] checked before any work
+        if GV.is_row(n):
+            GV.variant(n, 1)                           # its [settings] checked before any work
     if args.threads:
         torch.set_num_threads(args.threads)
     budgets = args.budget
     m, tok = M.load(args.model)
     L = m.config.n_layers
-    print(f"model {M.default_model_dir().name if args.model is None else args.model} · {L} layers · "
-          f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}")
+    print(
+        f"model {M.default_model_dir().name if args.model is None else args.model} · {L} layers · "
+        f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}"
+    )
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
     made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
     for length in args.length:                            # 1. observation and compression
@@ -171,8 +192,11 @@ def main(argv=None):
         cache = M.prefill(m, torch.tensor([ids], device=m.device))
         ms_full[c] = decode_ms(m, cache, args.steps, args.repeat)
         longest = (ids, cache)
-    print("\nFullKV decoding: " + ", ".join(f"{c} tokens {ms_full[c]:.1f} ms/token" for c in contexts)
-          + f"; {contexts[-1]} / {contexts[0]} = {ms_full[contexts[-1]] / ms_full[contexts[0]]:.2f}x")
+    print(
+        "\nFullKV decoding: "
+        + ", ".join(f"{c} tokens {ms_full[c]:.1f} ms/token" for c in contexts)
+        + f"; {contexts[-1]} / {contexts[0]} = {ms_full[contexts[-1]] / ms_full[contexts[0]]:.2f}x"
+    )
     ids, _ = longest
     snap = P.Policy.uniform("snapkv", 512, L)
     small = snap.prefill(m, torch.tensor([ids], device=m.device))
@@ -186,8 +210,12 @@ def main(argv=None):
     if 2048 in ms_full:
         folder = M.default_model_dir() if args.model is None else args.model
         hf = hf_decode_ms(folder, TK.fidelity_text(tok, 2048, 0)[0], args.steps, args.repeat)
-        print("transformers: not installed (optional)" if hf is None else
-              f"transformers LlamaForCausalLM at 2048 tokens: {hf:.1f} ms/token; ours / theirs = {ms_full[2048] / hf:.2f}")
+        print(
+            "transformers: not installed (optional)"
+            if hf is None
+            else f"transformers LlamaForCausalLM at 2048 tokens: {hf:.1f} ms/token; ours / "
+                 f"theirs = {ms_full[2048] / hf:.2f}"
+        )
     print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
 
 

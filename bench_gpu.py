@@ -30,11 +30,27 @@ from support import cli
 from support.errors import UsageError
 from support.memory import mixed_policy
 
-LLAMA_31_8B = M.Config(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, head_dim=128,
-                       hidden_dim=14336, rope_theta=500000.0, max_seq_len=131072, tie_embeddings=False,
-                       rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-                       bos_id=128000, eos_ids=(128001, 128008, 128009))
+LLAMA_31_8B = M.Config(
+    vocab_size=128256,
+    dim=4096,
+    n_layers=32,
+    n_heads=32,
+    n_kv_heads=8,
+    head_dim=128,
+    hidden_dim=14336,
+    rope_theta=500000.0,
+    max_seq_len=131072,
+    tie_embeddings=False,
+    rope_scaling={
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    },
+    bos_id=128000,
+    eos_ids=(128001, 128008, 128009),
+)
 # KVzip's instruction, later instruction and suffix: placeholder ids, the real prompt's lengths
 REPEAT = ((1,) * 8, (2,) * 13, (3,) * 5)
 

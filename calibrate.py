@@ -37,11 +37,13 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
   occurs at an even position); the test split uses the even ones, so none is scored later.
   Defaults: 2 passages of T = 2,048 tokens (`PROMPT_LEN`; at 8K the paper's procedure needs 8K
   prompts, docs/results-8k.md) + n = 64 held-out tokens; the seed picks the offset. Cost: 2 prefills
-  + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool) + |pool|·2 uniform runs (4x at 8K).
+  + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool) + |pool|·2 uniform runs (4x at
+  8K).
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
-  snapkv, knorm, expected, kvzip, and any rule registered later), all probed at the same budget B. Not
+  snapkv, knorm, expected, kvzip, and any rule registered later), all probed at the same budget B.
+  Not
   pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the allocation side.
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
   chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
@@ -70,6 +72,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+import baselines  # noqa: F401  (K-norm, Expected Attention, KVzip: rules of the pool)
 import model as M
 import polykv
 from model import Hooks
@@ -82,7 +85,8 @@ from support.policy_tables import describe, placement, plot
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
 TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
 TEXT_VERSION = "dev2"
-PROMPT_LEN, CONT_LEN = 2048, 64     # calibration prompt and held-out continuation tokens, by default
+# calibration prompt and held-out continuation tokens, by default
+PROMPT_LEN, CONT_LEN = 2048, 64
 
 
 # ----------------------------------------------------------------------------- the calibration set
@@ -94,7 +98,9 @@ def check_args(budget: int, n_prompts: int, prompt_len: int, cont_len: int, b_mi
     if n_prompts < 1 or cont_len < 2:
         raise UsageError(f"need n_prompts >= 1 and cont_len >= 2, got {n_prompts}, {cont_len}")
     if prompt_len <= budget:
-        raise UsageError(f"calibration prompts ({prompt_len} tokens) must be longer than the budget {budget}")
+        raise UsageError(
+            f"calibration prompts ({prompt_len} tokens) must be longer than the budget {budget}"
+        )
     if b_min is not None and not 0 <= b_min <= budget:
         raise UsageError(f"b_min must be in [0, B={budget}], got {b_min}")
 
@@ -115,13 +121,19 @@ def with_prompt(settings: RuleSettings, tok) -> RuleSettings:
         RuleSettings(**{**settings.__dict__, "repeat": tasks.reconstruction_prompt(tok)})
 
 
-def set_meta(model, tok, texts, budget: int, seed: int, model_name: str, needles: int, b_min=None) -> tuple:
+def set_meta(
+    model, tok, texts, budget: int, seed: int, model_name: str, needles: int, b_min=None
+) -> tuple:
     """(T, n, meta) of a calibration set, checked: the shortest prompt and continuation, and what
     a policy file records about the set."""
     T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
     check_args(budget, len(texts), T, n, b_min)
-    if max(len(p) + len(c) for p, c in texts) > model.config.max_seq_len:   # one line, before any probe
-        raise UsageError(f"calibration prompts of {T} (+{n}) tokens exceed the model's maximum {model.config.max_seq_len}")
+    # one line, before any probe
+    if max(len(p) + len(c) for p, c in texts) > model.config.max_seq_len:
+        raise UsageError(
+            f"calibration prompts of {T} (+{n}) tokens exceed the model's maximum "
+            f"{model.config.max_seq_len}"
+        )
     return T, n, {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given", "n_prompts": len(texts), "prompt_len": T, "cont_len": n,
         "needles": needles, "pool": list(polykv.pool())}}
@@ -150,7 +162,8 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
     attention output (1, H, n, D), its attention entropy, the continuation's NLL and the last
     layer's output `last` (1, n, dim)."""
     L = model.config.n_layers
-    pool = [Policy.uniform(r, 1, L, settings=settings) for r in polykv.pool()]   # every pool rule's needs
+    # every pool rule's needs
+    pool = [Policy.uniform(r, 1, L, settings=settings) for r in polykv.pool()]
     full, obs = polykv.observe_for(model, prompt, pool)
     T, n = prompt.shape[1], cont.shape[1]
     pos = torch.arange(T, T + n, device=cont.device)[None]                   # (1, n)
@@ -161,7 +174,10 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
         rec[layer] = (out, -torch.xlogy(A, A).sum(-1).mean())                # H = −Σ_j A log A
 
     xs = []
-    x = M.run_layers(model, model.embed_tokens(cont), pos, full.layers, 0, Hooks(post_kernel=spy), xs)  # (1, n, dim)
+    # (1, n, dim)
+    x = M.run_layers(
+        model, model.embed_tokens(cont), pos, full.layers, 0, Hooks(post_kernel=spy), xs
+    )
     entropy = torch.stack([rec[l][1] for l in range(L)]).tolist()   # one read, after every layer
     return {"full": full, "obs": obs, "cont": cont, "pos": pos, "xs": xs,
             "out": [rec[l][0] for l in range(L)], "entropy": entropy,
@@ -189,9 +205,12 @@ def probe(model, ref: dict, layer: int, policy: Policy):
     steps = [slice(i, i + 1) for i in range(x.shape[1])] if dec else [slice(None)]
     ys = []
     for s in steps:
-        y, lc = model.layers[layer](x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.sdpa)
+        y, lc = model.layers[layer](
+            x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.sdpa
+        )
         ys.append(y)
-    x = M.run_layers(model, torch.cat(ys, 1), pos, ref["full"].layers, layer + 1)   # FullKV above (1, n, dim)
+    # FullKV above (1, n, dim)
+    x = M.run_layers(model, torch.cat(ys, 1), pos, ref["full"].layers, layer + 1)
     return cosine(torch.cat(seen, 2), ref["out"][layer]), _nll(model, x, ref["cont"])
 
 
@@ -204,8 +223,13 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     refs = []
     for i, (p, c) in enumerate(pairs):
         t0 = time.time()
-        refs.append(reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings))
-        log(f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(p)} + {len(c)} tokens ({time.time() - t0:.0f} s)")
+        refs.append(
+            reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings)
+        )
+        log(
+            f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(p)} + {len(c)} tokens "
+            f"({time.time() - t0:.0f} s)"
+        )
     count = sum(len(c) - 1 for _, c in pairs)
     ppl = lambda nll: math.exp(nll / count)                                  # PPL = exp(mean NLL)
     ppl_full = ppl(sum(r["nll"] for r in refs))
@@ -218,15 +242,24 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
         for l in range(L):
             if l and l % 5 == 0:
                 eta = (time.time() - t0) / l * (L - l)
-                log(f"{phase} probes: layer {l}/{L}, {time.time() - t0:.0f} s, ETA {eta:.0f} s for this phase")
+                log(
+                    f"{phase} probes: layer {l}/{L}, {time.time() - t0:.0f} s, ETA {eta:.0f} s "
+                    f"for this phase"
+                )
             for r in rules:
                 pre, dec = (r, budget), ("append", budget)
                 if phase == "decode":
                     pre, dec = (prefill_of[l], budget), (r, budget)
-                res = [probe(model, ref, l, probe_policy(L, l, pre, dec, budget, settings)) for ref in refs]
+                res = [
+                    probe(model, ref, l, probe_policy(L, l, pre, dec, budget, settings))
+                    for ref in refs
+                ]
                 cosine[r].append(sum(c for c, _ in res) / len(res))
                 dppl[r].append(ppl(sum(nl for _, nl in res)) - ppl_full)
-        log(f"{phase} probes: {L} layers x {len(rules)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
+        log(
+            f"{phase} probes: {L} layers x {len(rules)} rules x {len(refs)} prompts "
+            f"({time.time() - t0:.0f} s)"
+        )
         return {"cosine": cosine, "dppl": dppl}
 
     pool = polykv.pool()
@@ -240,7 +273,9 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     for r in pool:
         uni, nll = Policy.uniform(r, budget, L, settings=settings), 0.0
         for ref in refs:
-            logits = M.decode(model, ref["cont"], uni.compress(model, ref["full"], ref["obs"]), uni.decoder)
+            logits = M.decode(
+                model, ref["cont"], uni.compress(model, ref["full"], ref["obs"]), uni.decoder
+            )
             nll += float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
         sig["uniform_dppl"][r] = ppl(nll) - ppl_full
     log(f"uniform baselines: {len(pool)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
@@ -266,8 +301,14 @@ def allocate(signal, total: int, b_min: int, cap: int) -> list:
         free = [l for l in range(L) if l not in capped]
         rest = total - cap * len(capped) - b_min * len(free)              # spread ∝ s over free
         s_free = sum(s[l] for l in free)
-        reals = [float(cap) if l in capped else
-                 b_min + (rest * s[l] / s_free if s_free > 0 else rest / len(free)) for l in range(L)]
+        reals = [
+            (
+                float(cap)
+                if l in capped
+                else b_min + (rest * s[l] / s_free if s_free > 0 else rest / len(free))
+            )
+            for l in range(L)
+        ]
         over = {l for l in free if reals[l] > cap}
         if not over or len(over) == len(free):
             break
@@ -291,7 +332,9 @@ def best_rules(phase_signals: dict, pool, preference: str) -> list:
 def sensitivity_of(sig: dict, phase: str, sensitivity: str) -> list:
     if sensitivity == "entropy":
         return sig["entropy"]
-    return [max(0.0, *(d[l] for d in sig[phase]["dppl"].values())) for l in range(len(sig["entropy"]))]
+    return [
+        max(0.0, *(d[l] for d in sig[phase]["dppl"].values())) for l in range(len(sig["entropy"]))
+    ]
 
 
 def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str = "entropy",
@@ -323,12 +366,25 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
     return Policy(layers, budget, settings, meta)
 
 
-# ----------------------------------------------------------------------------- calibrate once, keep the file
+# -------------------------------------------------------------------- calibrate once, keep the file
 
-def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = PROMPT_LEN,
-              cont_len: int = CONT_LEN, preference: str = "cosine", sensitivity: str = "entropy",
-              b_min=None, settings: RuleSettings = RuleSettings(), texts=None,
-              model_name: str = "", log=None) -> Policy:
+
+def calibrate(
+    model,
+    tok,
+    budget: int,
+    seed: int = 0,
+    n_prompts: int = 2,
+    prompt_len: int = PROMPT_LEN,
+    cont_len: int = CONT_LEN,
+    preference: str = "cosine",
+    sensitivity: str = "entropy",
+    b_min=None,
+    settings: RuleSettings = RuleSettings(),
+    texts=None,
+    model_name: str = "",
+    log=None,
+) -> Policy:
     """The paper's procedure: measure the signals on the calibration set once and build the
     policy. texts: optional [(prompt_ids, cont_ids)] in place of `calibration_set` (then tok
     is unused)."""
@@ -341,8 +397,11 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt
                  settings=settings, meta=meta)
 
 
-def policy_path(model_name: str, budget: int, seed: int, cache_dir, procedure="paper", prompt_len=PROMPT_LEN) -> Path:
-    """Where policy_for keeps the policy of (procedure, model, budget, seed, text, prompt length ≠ default)."""
+def policy_path(
+    model_name: str, budget: int, seed: int, cache_dir, procedure="paper", prompt_len=PROMPT_LEN
+) -> Path:
+    """Where policy_for keeps the policy of (procedure, model, budget, seed, text, prompt length ≠
+    default)."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", model_name)
     kind = "polykv" if procedure == "paper" else f"polykv-{procedure}"
     length = "" if prompt_len == PROMPT_LEN else f"-T{prompt_len}"
@@ -355,20 +414,38 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
     load it. kw: the procedure's own arguments (PROCEDURES)."""
     if procedure not in PROCEDURES:
         raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
-    path = policy_path(model_name, budget, seed, cache_dir, procedure, kw.get("prompt_len", PROMPT_LEN))
+    path = policy_path(
+        model_name, budget, seed, cache_dir, procedure, kw.get("prompt_len", PROMPT_LEN)
+    )
     if path.exists():
         policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
         have = {**policy.meta.get("calibration", {}), **policy.meta}
         asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw,       # the procedure's own
                  "pool": list(polykv.pool())}                                # and today's pool
-        if procedure != "paper":                 # a joint file without them: the text-only objective
+        # a joint file without them: the text-only objective
+        if procedure != "paper":
             have = {"probes": 0, "retrieval": None, **have}
             asked = {"probes": JOINT_PROBES, "retrieval": JOINT_RETRIEVAL, **asked}
-        diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items()
-                if k in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes", "retrieval", "pool")
-                and have.get(k) != v]
+        diff = [
+            f"{k}={have.get(k)!r} (asked {v!r})"
+            for k, v in asked.items()
+            if k
+            in (
+                "preference",
+                "sensitivity",
+                "n_prompts",
+                "prompt_len",
+                "cont_len",
+                "probes",
+                "retrieval",
+                "pool",
+            )
+            and have.get(k) != v
+        ]
         if diff:
-            raise UsageError(f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it to recalibrate")
+            raise UsageError(
+                f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it to recalibrate"
+            )
         return policy
     policy = PROCEDURES[procedure](model, tok, budget, seed, model_name=model_name, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -389,7 +466,9 @@ def prefill_only(policy: Policy) -> Policy:
     """The calibrated prefill phase (rules and budgets); no eviction while decoding (`append`),
     as uniform SnapKV and PyramidKV do. Isolates what the decode-phase calibration costs or buys."""
     layers = [LayerPolicy(lp.prefill, ("append", lp.prefill.budget)) for lp in policy.layers]
-    return Policy(layers, policy.budget, policy.settings, {**policy.meta, "ablation": "prefill_only"})
+    return Policy(
+        layers, policy.budget, policy.settings, {**policy.meta, "ablation": "prefill_only"}
+    )
 
 
 def budget_only(policy: Policy, rule: str) -> Policy:
@@ -397,8 +476,12 @@ def budget_only(policy: Policy, rule: str) -> Policy:
     if rule not in polykv.RULES:
         raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(polykv.RULES)}")
     dec = polykv.RULES[rule].decode
-    layers = [LayerPolicy((rule, lp.prefill.budget), (dec, lp.decode.budget)) for lp in policy.layers]
-    return Policy(layers, policy.budget, policy.settings, {**policy.meta, "ablation": f"budget_only:{rule}"})
+    layers = [
+        LayerPolicy((rule, lp.prefill.budget), (dec, lp.decode.budget)) for lp in policy.layers
+    ]
+    return Policy(
+        layers, policy.budget, policy.settings, {**policy.meta, "ablation": f"budget_only:{rule}"}
+    )
 
 
 def budget_from_best(policy: Policy) -> Policy:
@@ -406,21 +489,27 @@ def budget_from_best(policy: Policy) -> Policy:
     return budget_only(policy, policy.meta.get("best_uniform", "snapkv"))
 
 
+def as_calibrated(policy: Policy) -> Policy:
+    """The calibrated policy itself (the row of the procedure, no ablation)."""
+    return policy
+
+
 # The PolyKV rows of the harness (evaluate.py --methods): name -> (procedure, transform of its
 # calibrated policy). `polykv` is the paper's; `polykv-joint` is past the paper (below).
-VARIANTS = {"polykv": ("paper", lambda p: p),
+VARIANTS = {"polykv": ("paper", as_calibrated),
             "polykv-pattern": ("paper", pattern_only),          # chosen rules, uniform budgets
             "polykv-budget": ("paper", budget_from_best),       # best uniform rule, chosen budgets
             "polykv-prefill": ("paper", prefill_only),          # no decode-time eviction
-            "polykv-joint": ("joint", lambda p: p),
+            "polykv-joint": ("joint", as_calibrated),
             "polykv-joint-pattern": ("joint", pattern_only),
             "polykv-joint-budget": ("joint", budget_from_best),
-            "polykv-joint-text": ("joint-text", lambda p: p),          # the text-only objective
-            "polykv-joint-weighted": ("joint-weighted", lambda p: p)}  # text + 0.1 · probe loss
+            "polykv-joint-text": ("joint-text", as_calibrated),     # the text-only objective
+            "polykv-joint-weighted": ("joint-weighted", as_calibrated)}   # text + 0.1·probe loss
 
 
-# ============================================================================= past the paper: the joint calibration
-# PolyKV past the paper: a calibration that sees the other layers (`calibrate.py --procedure joint`).
+# ============================================================ past the paper: the joint calibration
+# PolyKV past the paper: a calibration that sees the other layers (`calibrate.py --procedure
+# joint`).
 #
 # The paper's calibration (calibrate.py) probes each layer alone, every other layer FullKV, and
 # ranks rules by that layer's output cosine. On the embedded model this puts StreamingLLM on a
@@ -442,7 +531,8 @@ VARIANTS = {"polykv": ("paper", lambda p: p),
 #   "cosine": layer l's attention output vs FullKV's, mean cosine over continuation tokens, under
 #             the compressed background (the paper's signal, measured where it will be used);
 #   "kl":     KL(FullKV ‖ policy) of the held-out continuation, mean over its n positions and the
-#             prompts: Σ_v p(v) (log p(v) − log q(v)), the harness's fidelity metric (evaluate.compare).
+#             prompts: Σ_v p(v) (log p(v) − log q(v)), the harness's fidelity metric
+# (evaluate.compare).
 # [choice: cosine, on dev (docs/polykv.md): the end-to-end KL of 2 × 64 tokens overfits them and
 # lost every dev needle at B = 128]. The starting rule and the budget step are scored by the KL.
 #
@@ -474,8 +564,12 @@ def run_from(model, ref, layer: int, x, caches) -> tuple:
 
 def policy_of(assign, budgets, settings, meta=None) -> Policy:
     """Layer l: (rule, b_l) at prefill, the rule's own decode form at b_l; B = mean b_l."""
-    return Policy([LayerPolicy((r, b), (polykv.RULES[r].decode, b)) for r, b in zip(assign, budgets)],
-                  sum(budgets) // len(budgets), settings, meta or {})
+    return Policy(
+        [LayerPolicy((r, b), (polykv.RULES[r].decode, b)) for r, b in zip(assign, budgets)],
+        sum(budgets) // len(budgets),
+        settings,
+        meta or {},
+    )
 
 
 def answer_dnll(ref, lp) -> float:
@@ -518,9 +612,19 @@ class Objective:
 
 
 @torch.no_grad()
-def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int = 3, tol: float = 0.0,
-                  budget_signal: bool = True, settings: RuleSettings = RuleSettings(), log=None,
-                  probes=(), retrieval=None) -> dict:
+def measure_joint(
+    model,
+    pairs,
+    budget: int,
+    signal: str = "cosine",
+    sweeps: int = 3,
+    tol: float = 0.0,
+    budget_signal: bool = True,
+    settings: RuleSettings = RuleSettings(),
+    log=None,
+    probes=(),
+    retrieval=None,
+) -> dict:
     """Every signal of the joint procedure and the chosen rules/budgets, JSON-ready. pairs: the
     text (prompt, continuation) pairs; probes: retrieval probes (prompt, answer); retrieval:
     how the probes enter the choice (`Objective`)."""
@@ -529,11 +633,18 @@ def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int
     t0 = time.time()
     refs = []
     for p, c in list(pairs) + list(probes):
-        ref = reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings)
+        ref = reference(
+            model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings
+        )
         ref["lp"] = log_probs(model, ref.pop("last"))
         refs.append(ref)
-    comp = {r: [Policy.uniform(r, budget, L, settings=settings).compress(model, ref["full"], ref["obs"])
-                for ref in refs] for r in pool}
+    comp = {
+        r: [
+            Policy.uniform(r, budget, L, settings=settings).compress(model, ref["full"], ref["obs"])
+            for ref in refs
+        ]
+        for r in pool
+    }
     log(f"{len(refs)} FullKV prefills and {len(pool)} compressions ({time.time() - t0:.0f} s)")
     x0 = [model.embed_tokens(ref["cont"]) for ref in refs]
     mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
@@ -558,13 +669,25 @@ def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int
     start = min(pool, key=lambda r: goal.key(uniform[r], uniform[r].kl))
     assign, cur = [start] * L, uniform[start]
     xs = [[x0[i]] + cur.streams[i] for i in range(len(refs))]         # stream entering each layer
-    sig = {"signal": signal, "uniform_kl": {r: uniform[r].kl for r in pool}, "start": start, "sweeps": []}
+    sig = {
+        "signal": signal,
+        "uniform_kl": {r: uniform[r].kl for r in pool},
+        "start": start,
+        "sweeps": [],
+    }
     if probes:
         sig.update(retrieval=retrieval, tau=None if goal.tau == math.inf else goal.tau,
                    uniform_probe={r: uniform[r].probe for r in pool})
-    log("uniform rules, KL on the calibration text: " + ", ".join(f"{r} {uniform[r].kl:.4f}" for r in pool)
-        + ("; probe answer ΔNLL: " + ", ".join(f"{r} {uniform[r].probe:.3f}" for r in pool) if probes else "")
-        + f"; start from {start}")
+    log(
+        "uniform rules, KL on the calibration text: "
+        + ", ".join(f"{r} {uniform[r].kl:.4f}" for r in pool)
+        + (
+            "; probe answer ΔNLL: " + ", ".join(f"{r} {uniform[r].probe:.3f}" for r in pool)
+            if probes
+            else ""
+        )
+        + f"; start from {start}"
+    )
 
     # 2. sweeps over the layers: every rule at layer l, the other layers as chosen so far
     caches = lambda i, a: [comp[a[l]][i].layers[l] for l in range(L)]
@@ -584,35 +707,59 @@ def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int
                 assign[l], cur = best, cand[best]
                 for i in range(len(refs)):
                     xs[i][l + 1:] = cand[best].streams[i]
-        sig["sweeps"].append({"scores": scores, "changed": changed, "kl": cur.kl,
-                              **({"probe_scores": probe_scores, "probe": cur.probe} if probes else {})})
-        log(f"sweep {sweep + 1}: {len(changed)} layers changed, KL {cur.kl:.4f}"
-            + (f", probe answer ΔNLL {cur.probe:.3f}" if probes else "") + f" ({time.time() - t0:.0f} s)")
+        sig["sweeps"].append(
+            {
+                "scores": scores,
+                "changed": changed,
+                "kl": cur.kl,
+                **({"probe_scores": probe_scores, "probe": cur.probe} if probes else {}),
+            }
+        )
+        log(
+            f"sweep {sweep + 1}: {len(changed)} layers changed, KL {cur.kl:.4f}"
+            + (f", probe answer ΔNLL {cur.probe:.3f}" if probes else "")
+            + f" ({time.time() - t0:.0f} s)"
+        )
         if not changed:
             break
 
     # 3. budgets: the KL increase when one layer's budget is halved, kept only if it helps
     budgets, final = [budget] * L, cur
     if budget_signal and budget >= 2:
-        half = {r: [Policy.uniform(r, budget // 2, L, settings=settings).compress(model, ref["full"], ref["obs"])
-                    for ref in refs] for r in set(assign)}
+        half = {
+            r: [
+                Policy.uniform(r, budget // 2, L, settings=settings).compress(
+                    model, ref["full"], ref["obs"]
+                )
+                for ref in refs
+            ]
+            for r in set(assign)
+        }
         sens = []
         for l in range(L):
-            trial = lambda i, l=l: [half[assign[l]][i].layers[k] if k == l else comp[assign[k]][i].layers[k]
-                                    for k in range(L)]
+            trial = lambda i, l=l: [
+                half[assign[l]][i].layers[k] if k == l else comp[assign[k]][i].layers[k]
+                for k in range(L)
+            ]
             sens.append(max(0.0, evaluate(l, trial, lambda i: xs[i][l]).kl - cur.kl))
         T = min(ref["full"].layers[0].k.shape[2] for ref in refs)
         target = allocate(sens, L * budget, budget // 4, T)
         tried = {"0": (cur, budgets)}
         for alpha in (0.5, 1.0):
             b = largest_remainder([(1 - alpha) * budget + alpha * t for t in target], L * budget)
-            made = [policy_of(assign, b, settings).compress(model, ref["full"], ref["obs"]) for ref in refs]
+            made = [
+                policy_of(assign, b, settings).compress(model, ref["full"], ref["obs"])
+                for ref in refs
+            ]
             tried[str(alpha)] = (evaluate(0, lambda i: made[i].layers, lambda i: x0[i]), b)
         alpha = min(tried, key=lambda a: goal.key(tried[a][0], tried[a][0].kl))
         final, budgets = tried[alpha]
-        sig["budget"] = {"halving_sensitivity": sens, "kl_by_alpha": {a: t.kl for a, (t, _) in tried.items()},
-                         "alpha": alpha,
-                         **({"probe_by_alpha": {a: t.probe for a, (t, _) in tried.items()}} if probes else {})}
+        sig["budget"] = {
+            "halving_sensitivity": sens,
+            "kl_by_alpha": {a: t.kl for a, (t, _) in tried.items()},
+            "alpha": alpha,
+            **({"probe_by_alpha": {a: t.probe for a, (t, _) in tried.items()}} if probes else {}),
+        }
         log(f"budgets: KL uniform {tried['0'][0].kl:.4f}, α=½ {tried['0.5'][0].kl:.4f}, "
             f"α=1 {tried['1.0'][0].kl:.4f}; kept α = {alpha} ({time.time() - t0:.0f} s)")
     sig.update(rules=assign, budgets=budgets, final={"kl": final.kl, "probe": final.probe} if probes
@@ -620,7 +767,9 @@ def measure_joint(model, pairs, budget: int, signal: str = "cosine", sweeps: int
     return sig
 
 
-def build_joint(sig: dict, budget: int, settings: RuleSettings = RuleSettings(), meta: dict = None) -> Policy:
+def build_joint(
+    sig: dict, budget: int, settings: RuleSettings = RuleSettings(), meta: dict = None
+) -> Policy:
     """The policy the joint procedure chose; meta records the procedure and its signals."""
     assert sum(sig["budgets"]) == len(sig["budgets"]) * budget
     return policy_of(sig["rules"], sig["budgets"], settings,
@@ -628,13 +777,28 @@ def build_joint(sig: dict, budget: int, settings: RuleSettings = RuleSettings(),
                       "best_uniform": sig["start"]})
 
 
-JOINT_PROBES, JOINT_RETRIEVAL = 4, "constraint"   # the default objective (docs/polykv.md, dev table)
+# the default objective (docs/polykv.md, dev table)
+JOINT_PROBES, JOINT_RETRIEVAL = 4, "constraint"
 
 
-def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, prompt_len: int = PROMPT_LEN,
-                    cont_len: int = CONT_LEN, signal: str = "cosine", needles: int = 0, probes: int = JOINT_PROBES,
-                    retrieval=JOINT_RETRIEVAL, settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
-                    model_name: str = "", log=None) -> Policy:
+def calibrate_joint(
+    model,
+    tok,
+    budget: int,
+    seed: int = 0,
+    n_prompts: int = 2,
+    prompt_len: int = PROMPT_LEN,
+    cont_len: int = CONT_LEN,
+    signal: str = "cosine",
+    needles: int = 0,
+    probes: int = JOINT_PROBES,
+    retrieval=JOINT_RETRIEVAL,
+    settings: RuleSettings = RuleSettings(),
+    texts=None,
+    probe_pairs=None,
+    model_name: str = "",
+    log=None,
+) -> Policy:
     """The joint procedure on the calibration set (texts: as in `calibrate`). needles: that
     many dev-split niah_single_1 prompts join the texts, their gold answer as the continuation.
     probes: that many retrieval probes from the dev text (tasks.calibration_facts; probe_pairs:
@@ -646,8 +810,16 @@ def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2, 
     settings = with_prompt(settings, tok)
     _, _, meta = set_meta(model, tok, texts, budget, seed, model_name, needles)
     meta["calibration"].update(probes=len(probe_pairs), retrieval=retrieval)
-    sig = measure_joint(model, texts, budget, signal, settings=settings, log=log, probes=probe_pairs,
-                        retrieval=retrieval)
+    sig = measure_joint(
+        model,
+        texts,
+        budget,
+        signal,
+        settings=settings,
+        log=log,
+        probes=probe_pairs,
+        retrieval=retrieval,
+    )
     return build_joint(sig, budget, settings, meta)
 
 
@@ -659,7 +831,7 @@ PROCEDURES = {"paper": calibrate,
               "joint-weighted": functools.partial(calibrate_joint, retrieval=0.1)}
 
 
-# ----------------------------------------------------------------------------- the placement control
+# ---------------------------------------------------------------------------- the placement control
 # The later version of the paper tests whether its profiles carry information: with the counts
 # of each rule held fixed, the profile-guided placement ranks second among 100 evaluated
 # assignments. Here: the calibrated route against N seeded permutations of its layers' rules,
@@ -676,15 +848,31 @@ def shuffled(policy: Policy, n: int, seed: int = 0) -> list:
 
 
 @torch.no_grad()
-def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "dev", n_prompts: int = 4,
-                      prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN, seed: int = 0, texts=None, log=None) -> dict:
+def placement_control(
+    model,
+    tok,
+    policy: Policy,
+    n: int = 100,
+    split: str = "dev",
+    n_prompts: int = 4,
+    prompt_len: int = PROMPT_LEN,
+    cont_len: int = CONT_LEN,
+    seed: int = 0,
+    texts=None,
+    log=None,
+) -> dict:
     """Fidelity KL (evaluate.py's, at equal memory: decode budgets grow by the continuation) of
     the calibrated route and of n `shuffled` ones on n_prompts natural-text passages of `split`
     (tasks.fidelity_text with `seed`; texts: given [(prompt_ids, cont_ids)] instead); rank 1 =
     the lowest mean KL, ties counted against the route."""
     if texts is None:
-        texts = [tasks.fidelity_text(tok, prompt_len, cont_len, seed, i, split) for i in range(n_prompts)]
-    routes = [r.with_allowance(max(len(c) for _, c in texts)) for r in [policy] + shuffled(policy, n, seed)]
+        texts = [
+            tasks.fidelity_text(tok, prompt_len, cont_len, seed, i, split) for i in range(n_prompts)
+        ]
+    routes = [
+        r.with_allowance(max(len(c) for _, c in texts))
+        for r in [policy] + shuffled(policy, n, seed)
+    ]
     kls = [[] for _ in routes]
     for i, (p, c) in enumerate(texts):
         x, cont = torch.tensor([p], device=model.device), torch.tensor([c], device=model.device)
@@ -697,9 +885,18 @@ def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "de
         if log:
             log(f"placement control, {split} prompt {i + 1}/{len(texts)}")
     mean = [sum(k) / len(k) for k in kls]
-    return {"split": split, "seed": seed, "n": n, "prompts": len(texts), "budget": policy.budget,
-            "procedure": policy.meta.get("procedure", "paper"), "route_kl": mean[0],
-            "shuffled_kl": mean[1:], "rank": 1 + sum(m <= mean[0] for m in mean[1:]), "per_prompt": kls}
+    return {
+        "split": split,
+        "seed": seed,
+        "n": n,
+        "prompts": len(texts),
+        "budget": policy.budget,
+        "procedure": policy.meta.get("procedure", "paper"),
+        "route_kl": mean[0],
+        "shuffled_kl": mean[1:],
+        "rank": 1 + sum(m <= mean[0] for m in mean[1:]),
+        "per_prompt": kls,
+    }
 
 
 def main(argv=None):
@@ -717,19 +914,34 @@ def main(argv=None):
                          "with the other layers compressed (past the paper)")
     ap.add_argument("--signal", choices=("kl", "cosine"), default="cosine",
                     help="joint procedure's score (cosine: better on dev, docs/polykv.md)")
-    ap.add_argument("--needles", type=int, default=0,
-                    help="joint procedure: add N dev-split niah_single_1 prompts (gold answer as continuation)")
+    ap.add_argument(
+        "--needles",
+        type=int,
+        default=0,
+        help="joint procedure: add N dev-split niah_single_1 prompts (gold answer as continuation)",
+    )
     ap.add_argument("--preference", choices=("cosine", "ppl"), default="cosine")
     ap.add_argument("--sensitivity", choices=("entropy", "ppl"), default="entropy")
     ap.add_argument("--b-min", type=int, default=None, help="budget floor (default B // 4)")
     ap.add_argument("--plot", default=None, help="write a per-layer PNG (needs matplotlib)")
     ap.add_argument("--threads", type=int, default=1,   # probes are 64-row matmuls: see docstring
                     help="torch intra-op CPU threads (default 1)")
-    ap.add_argument("--show", nargs="+", default=None, metavar="POLICY",
-                    help="print the tables of existing policy files (and --plot them side by side); no calibration")
-    ap.add_argument("--shuffle", type=int, default=0, metavar="N",
-                    help="with --show: the placement control, each policy against N shuffled routes "
-                         "(fidelity KL on --n-prompts passages of --split; JSON to --out if given)")
+    ap.add_argument(
+        "--show",
+        nargs="+",
+        default=None,
+        metavar="POLICY",
+        help="print the tables of existing policy files (and --plot them side by side); no "
+             "calibration",
+    )
+    ap.add_argument(
+        "--shuffle",
+        type=int,
+        default=0,
+        metavar="N",
+        help="with --show: the placement control, each policy against N shuffled routes "
+        "(fidelity KL on --n-prompts passages of --split; JSON to --out if given)",
+    )
     ap.add_argument("--split", choices=tasks.SPLITS, default="dev", help="--shuffle's passages")
     a = ap.parse_args(argv)
     check_options(a)
@@ -744,8 +956,18 @@ def main(argv=None):
             m, tok = M.load(a.model)
             res = []
             for f, pol in zip(a.show, pols):
-                r = placement_control(m, tok, pol, a.shuffle, a.split, a.n_prompts, a.prompt_len, a.cont_len,
-                                      a.seed, log=print)
+                r = placement_control(
+                    m,
+                    tok,
+                    pol,
+                    a.shuffle,
+                    a.split,
+                    a.n_prompts,
+                    a.prompt_len,
+                    a.cont_len,
+                    a.seed,
+                    log=print,
+                )
                 print(f"{f}: {placement(r)}")
                 res.append({"policy": str(f), **r})
             if a.out:
@@ -779,8 +1001,11 @@ def main(argv=None):
     print(describe(pol))
     if a.procedure == "paper":
         u = pol.meta["signals"]["uniform_dppl"]
-        print("uniform baselines, ΔPPL on the calibration text: "
-              + ", ".join(f"{r} {u[r]:+.4f}" for r in u) + f"; best uniform: {pol.meta['best_uniform']}")
+        print(
+            "uniform baselines, ΔPPL on the calibration text: "
+            + ", ".join(f"{r} {u[r]:+.4f}" for r in u)
+            + f"; best uniform: {pol.meta['best_uniform']}"
+        )
     print(f"wrote {a.out} in {time.time() - t0:.0f} s")
     if a.plot:
         try:

@@ -1,7 +1,8 @@
 """The benchmark: every method against FullKV at one or several budgets, offline.
 
 `python evaluate.py --budget 512` runs the default suite on the embedded model and prints one
-Markdown table (rows = methods, columns = tasks). Suites (docs/protocol.md, data from support/tasks.py):
+Markdown table (rows = methods, columns = tasks). Suites (docs/protocol.md, data from
+support/tasks.py):
 - fidelity: natural-text prompts, compressed, then the real next tokens teacher-forced;
   KL(FullKV ‖ method) of the next-token distributions, ΔNLL vs FullKV, top-1 agreement.
 - RULER-style retrieval: greedy answers scored with `string_match_all`, and *answer fidelity*:
@@ -22,7 +23,8 @@ compression and decoding. Teacher-forced distributions count from the first cont
 
 A fair comparison (docs/protocol.md):
 - Equal memory (`--memory equal`, the default): every method may grow by the tokens that follow
-  the prompt (under context / agnostic also by the free prefix and question); a policy's decode budgets are its prefill budgets plus that allowance, so an
+  the prompt (under context / agnostic also by the free prefix and question); a policy's decode
+  budgets are its prefill budgets plus that allowance, so an
   evicting decode rule (TOVA, H2O, StreamingLLM, PolyKV's) evicts only beyond it and every
   method's peak equals its prompt cache plus the same tokens. Each row records the prompt cache
   after compression (`kv_fraction`), the peak real entries while teacher-forcing
@@ -58,6 +60,7 @@ that adds methods, budgets or prompts resumes (support/run_folder.py).
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import importlib.util
 import json
@@ -69,8 +72,10 @@ from typing import Optional
 
 import torch
 
+import baselines as BL
 import calibrate
 import gracekv
+import gracekv_variants
 import model as M
 import polykv as P
 from support import checkpoint, cli, metrics, report, run_folder
@@ -88,55 +93,71 @@ from support.files import read_rows, write_atomic
 def uniform_methods() -> tuple:
     """The standalone methods: FullKV, every registered rule (polykv.RULES; a rule that also names
     an allocation, as kvzip, runs at one budget per head as RULE-uniform), PyramidKV's schedule and
-    the head-wise allocations (polykv.ALLOCATIONS: adakv, kvzip); random last."""
+    the head-wise allocations (baselines.ALLOCATIONS: adakv, kvzip); random last."""
     rules = uniform_names(n for n in P.RULES if n != "random")
-    return ("full",) + rules + ("pyramidkv",) + tuple(P.ALLOCATIONS) + (("random",) if "random" in P.RULES else ())
+    return (
+        ("full",)
+        + rules
+        + ("pyramidkv",)
+        + tuple(BL.ALLOCATIONS)
+        + (("random",) if "random" in P.RULES else ())
+    )
 
 
 def uniform_names(rules) -> tuple:
     """Each rule's --methods name at one budget per (layer, head): its own, or RULE-uniform where
     the rule's name is taken by its allocation (kvzip)."""
-    return tuple(f"{n}-uniform" if n in P.ALLOCATIONS else n for n in rules)
+    return tuple(f"{n}-uniform" if n in BL.ALLOCATIONS else n for n in rules)
 
 
 def baselines() -> tuple:
     """The standalone methods a calibrated policy is compared with: the pool rules, PyramidKV and
     the head-wise allocations."""
-    return uniform_names(P.pool()) + ("pyramidkv",) + tuple(P.ALLOCATIONS)
+    return uniform_names(P.pool()) + ("pyramidkv",) + tuple(BL.ALLOCATIONS)
 
 
 def all_methods() -> tuple:
     """Every --methods name: the uniform methods, AdaKV over each other pool rule, PolyKV's rows
     and GraceKV's rows."""
-    ada = tuple(f"adakv-{r}" for r in P.pool() if r != P.ALLOCATIONS["adakv"][0])
-    return uniform_methods() + ada + tuple(calibrate.VARIANTS) + tuple(gracekv.VARIANTS)
+    ada = tuple(f"adakv-{r}" for r in P.pool() if r != BL.ALLOCATIONS["adakv"][0])
+    return uniform_methods() + ada + tuple(calibrate.VARIANTS) + tuple(gracekv_variants.VARIANTS)
 
 
 def default_methods(suite: str = "default") -> tuple:
     """The default rows; the reference suite adds the joint calibration and its ablations."""
-    extra = ("polykv-joint", "polykv-joint-pattern", "polykv-joint-budget") if suite == "reference" else ()
+    extra = (
+        ("polykv-joint", "polykv-joint-pattern", "polykv-joint-budget")
+        if suite == "reference"
+        else ()
+    )
     return uniform_methods() + ("polykv",) + extra + ("gracekv",)
 
 
 def family(name: str) -> str:
     """"polykv" or "gracekv" for those papers' rows (their variant tables), else "uniform"."""
-    return "polykv" if name in calibrate.VARIANTS else "gracekv" if gracekv.is_row(name) else "uniform"
+    return (
+        "polykv"
+        if name in calibrate.VARIANTS
+        else "gracekv" if gracekv_variants.is_row(name) else "uniform"
+    )
 
 
-def method(name: str, budget: int, n_layers: int, settings=None, decode=None) -> P.Method:
+def method(name: str, budget: int, n_layers: int, settings=None, decode=None,
+           memo=None) -> P.Method:
     """A method that needs no calibration, by its --methods name: FullKV or a registered rule
-    (its own decode form, or `decode`), PyramidKV, a GraceKV row. settings: polykv.RuleSettings."""
+    (its own decode form, or `decode`), PyramidKV, a GraceKV row. settings: polykv.RuleSettings;
+    memo: GraceKV's per-prompt steps, shared by its rows (gracekv.context_memo)."""
     s = settings or P.RuleSettings()
     if name == "pyramidkv":
         return P.Pyramid(budget, s)
-    alloc = P.allocation(name)
+    alloc = BL.allocation(name)
     if alloc:
         rule, scope, alpha = alloc
-        return P.Headwise(rule, budget, scope, alpha, s)
-    if name.endswith("-uniform") and name[:-8] in P.ALLOCATIONS:
+        return BL.Headwise(rule, budget, scope, alpha, s)
+    if name.endswith("-uniform") and name[:-8] in BL.ALLOCATIONS:
         name = name[:-8]                  # the rule at one budget per (layer, head)
-    if gracekv.is_row(name):
-        return gracekv.variant(name, budget)
+    if gracekv_variants.is_row(name):
+        return gracekv_variants.variant(name, budget, memo)
     if name in uniform_methods():
         return P.Policy.uniform(name, budget, n_layers, decode, s)
     raise UsageError(f"unknown method {name!r}; choose from {', '.join(all_methods())}")
@@ -155,9 +176,11 @@ class Item:
     length: int                 # the target length (task column)
     tokens: torch.Tensor        # (1, T)
     sample: TK.Sample = None    # RULER / LongBench: answers, metric, max_new_tokens, gold
-    target: torch.Tensor = None  # (1, n) tokens to teacher-force: the continuation or the gold answer
+    # (1, n) tokens to teacher-force: the continuation or the gold answer
+    target: torch.Tensor = None
     split: tuple = None         # (n_prefix, n_question) tokens (protocols.split); None: no question
-    turns: list = ()            # later questions on the same context: [(tokens (1, q), Sample, gold (1, n))]
+    # later questions on the same context: [(tokens (1, q), Sample, gold (1, n))]
+    turns: list = ()
 
 
 def compare(ref_lp, lp, target) -> tuple:
@@ -183,7 +206,8 @@ class Row:
     index: int
     n_tokens: int
     kv_fraction: float          # prompt-cache entries / FullKV's
-    compress_s: float           # the method's compression after the shared prefill (+ its own extra pass)
+    # the method's compression after the shared prefill (+ its own extra pass)
+    compress_s: float
     prefill_s: float            # the shared prefill + every method's statistics (no extra pass)
     kl: Optional[float] = None  # fidelity: KL(FullKV ‖ method), mean over the teacher-forced tokens
     dnll: Optional[float] = None
@@ -206,7 +230,9 @@ class Methods:
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
-        self.settings = calibrate.with_prompt(P.RuleSettings(), tok)   # KVzip's prompt in this vocabulary
+        self.memo = gracekv.context_memo()     # GraceKV's steps of the prompt at hand
+        # KVzip's prompt in this vocabulary
+        self.settings = calibrate.with_prompt(P.RuleSettings(), tok)
 
     def calibrated(self, budget, procedure="paper"):
         """--policy FILE (rescaled to each budget; every PolyKV row runs it), else one
@@ -218,15 +244,32 @@ class Methods:
             else:
                 T = self.args.calibration_length
                 self.check_calibration(budget, T)
-                path = calibrate.policy_path(self.args.model_name, budget, self.args.seed, self.args.cache_dir,
-                                             procedure, T)
-                print(f"polykv ({procedure}): policy for budget {budget}: " + (f"{path}" if path.exists() else
-                      f"calibrating once on {T}-token prompts into {path} (on 2 CPU cores about 4-9 min "
-                      f"at 2,048 tokens, 4x that at 8,000)"), flush=True)
+                path = calibrate.policy_path(
+                    self.args.model_name, budget, self.args.seed, self.args.cache_dir, procedure, T
+                )
+                print(
+                    f"polykv ({procedure}): policy for budget {budget}: "
+                    + (
+                        f"{path}"
+                        if path.exists()
+                        else f"calibrating once on {T}-token prompts into {path} (on 2 CPU cores "
+                             f"about 4-9 min "
+                        f"at 2,048 tokens, 4x that at 8,000)"
+                    ),
+                    flush=True,
+                )
                 log = lambda s: print(f"polykv {procedure} calibration B={budget}: {s}", flush=True)
-                self.policies[key] = calibrate.policy_for(self.model, self.tok, self.args.model_name, budget,
-                                                          self.args.seed, Path(self.args.cache_dir), log=log,
-                                                          procedure=procedure, prompt_len=T)
+                self.policies[key] = calibrate.policy_for(
+                    self.model,
+                    self.tok,
+                    self.args.model_name,
+                    budget,
+                    self.args.seed,
+                    Path(self.args.cache_dir),
+                    log=log,
+                    procedure=procedure,
+                    prompt_len=T,
+                )
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
@@ -258,7 +301,7 @@ class Methods:
     def make(self, name, budget) -> P.Method:
         """The method; under --memory equal a policy's decode budgets grow by the allowance."""
         if name not in calibrate.VARIANTS:
-            pol = method(name, budget, self.L, self.settings)
+            pol = method(name, budget, self.L, self.settings, memo=self.memo)
             if not isinstance(pol, P.Policy):
                 return pol
         else:
@@ -267,15 +310,33 @@ class Methods:
         return pol.with_allowance(self.args.allowance) if self.args.memory == "equal" else pol
 
 
-def run_item(model, tok, methods: Methods, names, budgets, item: Item, done: set, protocols=("prompt",)):
+def run_item(
+    model, tok, methods: Methods, names, budgets, item: Item, done: set, protocols=("prompt",)
+):
     """All (method, budget, protocol) results of one item not in done, as JSON rows (`Row`). An
     item without a question (fidelity) is run once, under `prompt`, and its rows stand for every
     protocol: there the three coincide (support/protocols.py)."""
-    asked = {p: [(n, b) for b in budgets for n in names if not set(keys(n, b, item, p)) <= done] for p in protocols}
-    if item.split is not None:    # prompt and context observe the same whole prompt: one pass serves both
+    asked = {
+        p: [(n, b) for b in budgets for n in names if not set(keys(n, b, item, p)) <= done]
+        for p in protocols
+    }
+    # prompt and context observe the same whole prompt: one pass serves both
+    if item.split is not None:
         shared = {"for": [nb for p in ("prompt", "context") for nb in asked.get(p, ())]}
-        return [r for p, todo in asked.items() if todo for r in run_protocol(model, tok, methods, item, p, todo, shared)]
-    rows = run_protocol(model, tok, methods, item, "prompt", list(dict.fromkeys(nb for v in asked.values() for nb in v)))
+        return [
+            r
+            for p, todo in asked.items()
+            if todo
+            for r in run_protocol(model, tok, methods, item, p, todo, shared)
+        ]
+    rows = run_protocol(
+        model,
+        tok,
+        methods,
+        item,
+        "prompt",
+        list(dict.fromkeys(nb for v in asked.values() for nb in v)),
+    )
     return [{**r, "key": result_key(r["method"], r["budget"], item, p), "protocol": p}
             for p, todo in asked.items() for r in rows if (r["method"], r["budget"]) in todo]
 
@@ -298,7 +359,8 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     T = item.tokens.shape[1]
     n_pre, n_q = item.split if protocol != "prompt" else (0, 0)
     a, b = (n_pre if protocol == "context" else 0), T - n_q
-    seen = item.tokens[:, :b] if protocol == "agnostic" else item.tokens     # what the observation reads
+    # what the observation reads
+    seen = item.tokens[:, :b] if protocol == "agnostic" else item.tokens
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
     L, G = model.config.n_layers, model.config.n_kv_heads
     shared = {} if shared is None or protocol == "agnostic" else shared
@@ -307,32 +369,54 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
         needs = P.union([methods.get(*nb).needs(model) for nb in shared.get("for", todo)], L)
         full, obs = P.observe(model, seen, needs)
         shared["observed"] = full, obs, needs, time.perf_counter() - t0 - sum(obs.seconds.values())
-    full, obs, needs, t_p = shared["observed"]        # t_p: the prefill (extra passes: their methods' cost)
+    # t_p: the prefill (extra passes: their methods' cost)
+    full, obs, needs, t_p = shared["observed"]
     part, part_obs = PR.cut(full, obs, needs, a, b) if protocol == "context" else (full, obs)
 
-    def ask(cache, q):            # a question arrives: fed to the cache and appended, as decoding would
+    # a question arrives: fed to the cache and appended, as decoding would
+    def ask(cache, q):
         M.decode(model, q, cache)
         return cache
 
-    # the questions: (the cache a method's answer starts from, from its compressed part; tokens
-    # no method is charged for; what is teacher-forced; the sample scored)
-    first = {"prompt": lambda c, comp: c, "context": lambda c, comp: c,
-             "agnostic": lambda c, comp: ask(c, item.tokens[:, b:])}[protocol]
-    base = {"prompt": lambda c, comp: c.fork(), "context": lambda c, comp: PR.join(full, comp, a, b, question=False),
-            "agnostic": lambda c, comp: comp.fork()}[protocol]
+    # the first question's cache, from the protocol's cache `cache` of a method (its compressed
+    # part `comp`): the whole prompt is already in it, or the question is fed (agnostic)
+    def first(cache, comp):
+        if protocol == "agnostic":
+            return ask(cache, item.tokens[:, b:])
+        return cache
+
+    # the cache a later question is fed to: a follow-up turn of the whole conversation
+    # (prompt), or the exact prefix and compressed context (context, agnostic)
+    def base(cache, comp):
+        if protocol == "prompt":
+            return cache.fork()
+        if protocol == "context":
+            return PR.join(full, comp, a, b, question=False)
+        return comp.fork()
+
+    def later(q, cache, comp):
+        return ask(base(cache, comp), q)
+
+    # the questions: (the cache a method's answer starts from; tokens no method is charged for;
+    # what is teacher-forced; the sample scored)
     questions = [(first, T - (b - a), item.target, item.sample)]
     # prompt: a later question follows the first one's gold answer (the conversation so far)
     prior = item.target if protocol == "prompt" and item.target is not None else item.tokens[:, :0]
-    questions += [(lambda c, comp, q=torch.cat((prior, q), 1): ask(base(c, comp), q), a + prior.shape[1] + q.shape[1], g, smp)
-                  for q, smp, g in item.turns]
+    for q, smp, gold in item.turns:
+        asked = torch.cat((prior, q), 1)
+        questions.append((functools.partial(later, asked), a + asked.shape[1], gold, smp))
     refs = []
     for turn, (make, free, target, _) in enumerate(questions):
         ref = None
         if target is not None:
             n = target.shape[1]
             stepwise = any(m.evicts_within(b - a, n + free) for m in made.values())
-            key = ("first", stepwise) if turn == 0 else None   # the first question: the whole prompt's FullKV
-            ref = shared.get(key) or (stepwise, *M.teacher_force(model, make(full.fork(), part), target, None, stepwise))
+            # the first question: the whole prompt's FullKV
+            key = ("first", stepwise) if turn == 0 else None
+            ref = shared.get(key) or (
+                stepwise,
+                *M.teacher_force(model, make(full.fork(), part), target, None, stepwise),
+            )
             if key:
                 shared[key] = ref
         refs.append(ref)
@@ -341,12 +425,24 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
         t0 = time.perf_counter()
         comp = method.compress(model, part, part_obs)
         kept = comp.entries()
-        cache = PR.join(full, comp, a, b) if protocol == "context" else comp   # prefix and question back, exact
+        # prefix and question back, exact
+        cache = PR.join(full, comp, a, b) if protocol == "context" else comp
         t_c = time.perf_counter() - t0 + own_pass(model, method, obs)
         for turn, ((make, free, target, sample), ref) in enumerate(zip(questions, refs)):
-            r = Row(result_key(name, budget, item, protocol, turn), name, budget, item.task, item.length, item.index,
-                    T, kv_fraction=kept / (L * G * (b - a)), compress_s=round(t_c, 4), prefill_s=round(t_p, 4),
-                    protocol=protocol, turn=turn if item.turns else None)
+            r = Row(
+                result_key(name, budget, item, protocol, turn),
+                name,
+                budget,
+                item.task,
+                item.length,
+                item.index,
+                T,
+                kv_fraction=kept / (L * G * (b - a)),
+                compress_s=round(t_c, 4),
+                prefill_s=round(t_p, 4),
+                protocol=protocol,
+                turn=turn if item.turns else None,
+            )
             here = make(cache.fork(), comp)
             if ref is not None:
                 stepwise, ref_lp, (ref_entries, ref_slots) = ref
@@ -356,16 +452,23 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
                 # memory while decoding, vs FullKV after the same tokens: real entries and allocated
                 # slots (padding included; bytes = slots × 2·D·element size for both)
                 r.peak_fraction, r.alloc_fraction = entries / ref_entries, slots / ref_slots
-            if sample is not None and (methods.args.greedy is None or item.task in methods.args.greedy):
+            if sample is not None and (
+                methods.args.greedy is None or item.task in methods.args.greedy
+            ):
                 n_new = min(sample.max_new_tokens, methods.args.max_new_tokens)
                 # a decoder that cannot evict within the answer would only cost time per step
-                ids = M.greedy(model, here, n_new, stop_ids(tok, sample),
-                               method.decoder if method.evicts_within(b - a, n_new + free) else None,
-                               answer_done(tok, sample))
+                ids = M.greedy(
+                    model,
+                    here,
+                    n_new,
+                    stop_ids(tok, sample),
+                    method.decoder if method.evicts_within(b - a, n_new + free) else None,
+                    answer_done(tok, sample),
+                )
                 r.pred = tok.decode(ids)
                 r.score = metrics.score(sample, r.pred)
             out.append(r.to_json())
-    gracekv.CONTEXTS.clear()                 # GraceKV's steps of this prompt: not held past it
+    methods.memo.clear()                     # GraceKV's steps of this prompt: not held past it
     return out
 
 
@@ -404,8 +507,11 @@ def answer_done(tok, sample):
 def result_key(name, budget, item, protocol="prompt", turn=0) -> str:
     """name|budget|task|length|index, then |protocol for the protocols other than `prompt` and
     |q{turn} for a later question."""
-    return (f"{name}|{budget}|{item.task}|{item.length}|{item.index}" + ("" if protocol == "prompt" else f"|{protocol}")
-            + (f"|q{turn}" if turn else ""))
+    return (
+        f"{name}|{budget}|{item.task}|{item.length}|{item.index}"
+        + ("" if protocol == "prompt" else f"|{protocol}")
+        + (f"|q{turn}" if turn else "")
+    )
 
 
 def keys(name, budget, item, protocol) -> list:
@@ -433,12 +539,24 @@ def build_items(tok, args, model):
                 ids = tok.encode(s.prompt)
                 gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
                 split = PR.split(tok, ids, s) if cut or s.asks else None
-                items.append(Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None, split,
-                                  [(as_t(q), smp, as_t(g)) for q, smp, g in PR.turns(tok, ids, s, split)]))
+                items.append(
+                    Item(
+                        task,
+                        i,
+                        length,
+                        as_t(ids),
+                        s,
+                        as_t(gold) if gold else None,
+                        split,
+                        [(as_t(q), smp, as_t(g)) for q, smp, g in PR.turns(tok, ids, s, split)],
+                    )
+                )
     if args.data:
         for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
             ids = tok.encode(s.prompt, add_special_tokens=not s.templated)
-            items.append(Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None))
+            items.append(
+                Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None)
+            )
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
             option = "--fidelity-length" if it.task == "fidelity" else "--length"
@@ -451,26 +569,57 @@ def build_items(tok, args, model):
 
 def parse(argv):
     ap = cli.ArgumentParser(description="KV-cache compression methods against FullKV.")
-    ap.add_argument("--budget", type=cli.int_list, default=None,
-                    help="average entries per (layer, KV head); comma list sweeps (default 512; reference: 64,128,512,1024)")
-    ap.add_argument("--suite", choices=("default", "reference"), default="default",
-                    help="reference: 32 fidelity + 32 niah_single_1 prompts, budgets 64, 128, 512, 1024 "
-                         "(about 40 min on 2 CPU cores with torchrun --nproc_per_node 2)")
-    ap.add_argument("--split", choices=TK.SPLITS, default="test",
-                    help="test: the reported tables; dev: where defaults are chosen (other passages and seeds)")
-    ap.add_argument("--memory", choices=("equal", "budget"), default="equal",
-                    help="equal: every method may grow by the generated tokens (evicting decode rules evict only "
-                         "beyond that), so peaks are equal; budget: evicting decode rules hold their prompt budget")
-    ap.add_argument("--protocol", default="prompt",
-                    help="comma list of prompt (the whole prompt compressed and charged), context (only the "
-                         "context; prefix and question exact and free), agnostic (compressed before the "
-                         "question, which is then appended): support/protocols.py")
-    ap.add_argument("--methods", default=None,
-                    help=f"comma list (default {','.join(default_methods())}; --suite reference adds the joint PolyKV rows)")
-    ap.add_argument("--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)")
+    ap.add_argument(
+        "--budget",
+        type=cli.int_list,
+        default=None,
+        help="average entries per (layer, KV head); comma list sweeps (default 512; reference: "
+             "64,128,512,1024)",
+    )
+    ap.add_argument(
+        "--suite",
+        choices=("default", "reference"),
+        default="default",
+        help="reference: 32 fidelity + 32 niah_single_1 prompts, budgets 64, 128, 512, 1024 "
+        "(about 40 min on 2 CPU cores with torchrun --nproc_per_node 2)",
+    )
+    ap.add_argument(
+        "--split",
+        choices=TK.SPLITS,
+        default="test",
+        help="test: the reported tables; dev: where defaults are chosen (other passages and seeds)",
+    )
+    ap.add_argument(
+        "--memory",
+        choices=("equal", "budget"),
+        default="equal",
+        help="equal: every method may grow by the generated tokens (evicting decode rules evict "
+             "only "
+        "beyond that), so peaks are equal; budget: evicting decode rules hold their prompt budget",
+    )
+    ap.add_argument(
+        "--protocol",
+        default="prompt",
+        help="comma list of prompt (the whole prompt compressed and charged), context (only the "
+        "context; prefix and question exact and free), agnostic (compressed before the "
+        "question, which is then appended): support/protocols.py",
+    )
+    ap.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma list (default {','.join(default_methods())}; --suite reference adds the "
+             f"joint PolyKV rows)",
+    )
+    ap.add_argument(
+        "--model", default=None, help="HF checkpoint folder (default: embedded SmolLM2-135M)"
+    )
     ap.add_argument("--device", default=None)
-    ap.add_argument("--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"])
-    ap.add_argument("--tasks", default=",".join(DEFAULT_RULER), help="RULER-style tasks (empty: none)")
+    ap.add_argument(
+        "--dtype", default=None, choices=[None, "float32", "bfloat16", "float16", "float64"]
+    )
+    ap.add_argument(
+        "--tasks", default=",".join(DEFAULT_RULER), help="RULER-style tasks (empty: none)"
+    )
     ap.add_argument("--length", type=cli.int_list, default=None,
                     help="RULER prompt lengths in tokens")
     ap.add_argument("--samples", type=int, default=None, help="samples per RULER task and length")
@@ -479,23 +628,39 @@ def parse(argv):
     ap.add_argument("--cont-len", type=int, default=64, help="teacher-forced continuation tokens")
     ap.add_argument("--max-new-tokens", type=int, default=None,
                     help="cap on generated tokens (default: the task's own on GPU, 24 on CPU)")
-    ap.add_argument("--greedy", default=None,
-                    help="comma list of the tasks whose answers are generated and scored (default: all; "
-                         "the others get the gold answer's ΔNLL and KL only, e.g. where FullKV cannot answer)")
+    ap.add_argument(
+        "--greedy",
+        default=None,
+        help="comma list of the tasks whose answers are generated and scored (default: all; "
+        "the others get the gold answer's ΔNLL and KL only, e.g. where FullKV cannot answer)",
+    )
     ap.add_argument("--data", default=None, help="folder of LongBench *.jsonl files")
-    ap.add_argument("--policy", default=None, help="PolyKV policy JSON (default: calibrate once, cached)")
+    ap.add_argument(
+        "--policy", default=None, help="PolyKV policy JSON (default: calibrate once, cached)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache-dir", default=str(M.default_model_dir().parent / "policies"))
-    ap.add_argument("--calibration-length", type=int, default=calibrate.PROMPT_LEN,
-                    help="tokens per PolyKV calibration prompt (default 2,048 whatever --length is: "
-                         "at 8K the paper's procedure did better calibrated at 8K, docs/results-8k.md)")
+    ap.add_argument(
+        "--calibration-length",
+        type=int,
+        default=calibrate.PROMPT_LEN,
+        help="tokens per PolyKV calibration prompt (default 2,048 whatever --length is: "
+        "at 8K the paper's procedure did better calibrated at 8K, docs/results-8k.md)",
+    )
     ap.add_argument("--plot", action="store_true", help="budget-vs-score PNG (needs matplotlib)")
-    ap.add_argument("--report", action="store_true",
-                    help="run nothing: summarize the prompts of --out whose every row is finished (a "
-                         "resumable run stopped part way), into summary.json / summary.md (+ --plot)")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)")
+    ap.add_argument(
+        "--report",
+        action="store_true",
+        help="run nothing: summarize the prompts of --out whose every row is finished (a "
+        "resumable run stopped part way), into summary.json / summary.md (+ --plot)",
+    )
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch CPU threads (default: torch's; 1 is faster on a CPU shared with other jobs)",
+    )
     args = ap.parse_args(argv)
     if args.report and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         raise UsageError("--report runs in one process (no torchrun)")
@@ -504,10 +669,11 @@ def parse(argv):
     args.methods = method_list(args.methods)
     if not args.methods:
         raise UsageError(f"--methods is empty; choose from {', '.join(all_methods())}")
-    bad = [m for m in args.methods if m not in all_methods() and not gracekv.is_row(m)]
+    bad = [m for m in args.methods if m not in all_methods() and not gracekv_variants.is_row(m)]
     for m in args.methods:
-        if gracekv.is_row(m) and m not in gracekv.VARIANTS:
-            gracekv.variant(m, 1)                        # its settings checked before any work
+        if gracekv_variants.is_row(m) and m not in gracekv_variants.VARIANTS:
+            # its settings checked before any work
+            gracekv_variants.variant(m, 1)
     if bad:
         raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(all_methods())}")
     args.tasks = list(dict.fromkeys(t for t in args.tasks.split(",") if t))
@@ -524,7 +690,10 @@ def parse(argv):
     if bad:
         raise UsageError(f"unknown protocol {bad[0]!r}; choose from {', '.join(PR.PROTOCOLS)}")
     if args.memory == "budget" and args.protocol != ["prompt"]:
-        raise UsageError("--memory budget runs the prompt protocol only (its evicting decoders would evict the free entries)")
+        raise UsageError(
+            "--memory budget runs the prompt protocol only (its evicting decoders would evict "
+            "the free entries)"
+        )
     ref = args.suite == "reference"
     args.budget = args.budget or ([64, 128, 512, 1024] if ref else [512])
     if min(args.budget) < 1:
@@ -532,7 +701,9 @@ def parse(argv):
     check_numbers(args)
     check_files(args)
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise UsageError(f"--device {args.device}: no CUDA device is available here (use --device cpu)")
+        raise UsageError(
+            f"--device {args.device}: no CUDA device is available here (use --device cpu)"
+        )
     if args.plot and importlib.util.find_spec("matplotlib") is None:
         raise UsageError("--plot needs matplotlib (pip install matplotlib), or leave --plot out")
     gpu = args.model is not None and torch.cuda.is_available()
@@ -610,7 +781,8 @@ def barrier(world):
 
 
 def method_list(text: str) -> list:
-    """--methods split at commas, except inside a GraceKV row's [settings] (gracekv.variant);
+    """--methods split at commas, except inside a GraceKV row's [settings]
+    (gracekv_variants.variant);
     duplicates dropped (the first kept), as --protocol does."""
     return cli.split_names(text, "--methods")
 
@@ -624,15 +796,32 @@ def main(argv=None):
     dtype = getattr(torch, args.dtype) if args.dtype else None
     m, tok = M.load(args.model, device=args.device, dtype=dtype)
     torch.manual_seed(args.seed)
-    keyed = {k: getattr(args, k) for k in ("model_name", "tasks", "length", "samples", "fidelity_length",
-                                           "fidelity_samples", "cont_len", "max_new_tokens", "data",
-                                           "policy", "seed", "split", "memory")}
+    keyed = {
+        k: getattr(args, k)
+        for k in (
+            "model_name",
+            "tasks",
+            "length",
+            "samples",
+            "fidelity_length",
+            "fidelity_samples",
+            "cont_len",
+            "max_new_tokens",
+            "data",
+            "policy",
+            "seed",
+            "split",
+            "memory",
+        )
+    }
     keyed["dtype"] = str(m.dtype)
-    if args.greedy is not None:                       # (absent by default: earlier runs keep their folders)
+    # (absent by default: earlier runs keep their folders)
+    if args.greedy is not None:
         keyed["greedy"] = args.greedy
     if args.calibration_length != calibrate.PROMPT_LEN:                 # (likewise)
         keyed["calibration_length"] = args.calibration_length
-    out = Path(args.out or f"runs/{args.model_name}-{hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()[:8]}")
+    digest = hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
+    out = Path(args.out or f"runs/{args.model_name}-{digest[:8]}")
     model_files = run_folder.model_files(checkpoint.folder(args.model), tok.has_chat_template)
     fixed, grid = run_settings(args, str(m.dtype), run_folder.sha256(model_files)), run_grid(args)
     recorded = run_folder.check(out, fixed, {"data": args.data, "policy": args.policy}, grid,
@@ -644,12 +833,27 @@ def main(argv=None):
     items = build_items(tok, args, m)
     # equal memory under context / agnostic / later questions: every cache also holds the exact
     # prefix and questions
-    gold = lambda it: it.target.shape[1] if it.target is not None and it.turns else 0   # prompt: before a later question
-    args.allowance += max([sum(it.split) + gold(it) + max([q.shape[1] for q, _, _ in it.turns] or [0])
-                           for it in items if it.split] or [0])
-    rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=not args.report)]
+    # prompt: before a later question
+    gold = lambda it: it.target.shape[1] if it.target is not None and it.turns else 0
+    args.allowance += max(
+        [
+            sum(it.split) + gold(it) + max([q.shape[1] for q, _, _ in it.turns] or [0])
+            for it in items
+            if it.split
+        ]
+        or [0]
+    )
+    rows = [
+        r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=not args.report)
+    ]
     done = {r["key"] for r in rows}
-    every = lambda it: {k for n in args.methods for b in args.budget for p in args.protocol for k in keys(n, b, it, p)}
+    every = lambda it: {
+        k
+        for n in args.methods
+        for b in args.budget
+        for p in args.protocol
+        for k in keys(n, b, it, p)
+    }
     if args.report:                       # the prompts every row of which is there, nothing run
         finished = [it for it in items if every(it) <= done]
         wanted = set().union(*map(every, finished))
@@ -665,7 +869,8 @@ def main(argv=None):
                     methods.get(n, b)
         barrier(world)
     # the items left to do, sample 0 of every suite first, then sample 1, ... (a run stopped early
-    # has as many prompts of each suite), dealt round-robin to the ranks; each rank appends to its own file
+    # has as many prompts of each suite), dealt round-robin to the ranks; each rank appends to its
+    # own file
     items = sorted(items, key=lambda it: it.index)
     todo = [it for it in items if not every(it) <= done]
     make_folder(out)                      # every check passed: the folder records this run
@@ -681,8 +886,14 @@ def main(argv=None):
         for i, item in enumerate(items):
             if id(item) not in mine:
                 continue
-            new = [r for r in run_item(m, tok, methods, args.methods, args.budget, item, done, args.protocol)
-                   if r["key"] not in done]           # a partly finished item: its missing rows only
+            new = [
+                r
+                for r in run_item(
+                    m, tok, methods, args.methods, args.budget, item, done, args.protocol
+                )
+                # a partly finished item: its missing rows only
+                if r["key"] not in done
+            ]
             for r in new:
                 if item.sample is not None:
                     r["metric"] = item.sample.metric
@@ -692,9 +903,19 @@ def main(argv=None):
             done |= {r["key"] for r in new}
             n_run += 1
             eta = (time.time() - t0) / n_run * (len(mine) - n_run)
-            print(("" if world == 1 else f"rank {rank} ")
-                  + report.progress([r for r in rows if report.protocol(r) == args.protocol[0]], item,
-                                    args.methods, args.budget[0], i, len(items), eta), flush=True)
+            print(
+                ("" if world == 1 else f"rank {rank} ")
+                + report.progress(
+                    [r for r in rows if report.protocol(r) == args.protocol[0]],
+                    item,
+                    args.methods,
+                    args.budget[0],
+                    i,
+                    len(items),
+                    eta,
+                ),
+                flush=True,
+            )
     barrier(world)
     if rank != 0:
         return
@@ -742,9 +963,18 @@ def summarize(args, config, out, rows, m, t_start):
     summary = []              # per protocol
     for p in args.protocol:
         mine = [r for r in rows if report.protocol(r) == p]
-        summary += [{**d, "protocol": p} for d in report.summarize(mine, args.methods, args.budget, baselines(),
-                                                                    [n for n in args.methods if family(n) == "polykv"])]
-    config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)   # None: --report
+        summary += [
+            {**d, "protocol": p}
+            for d in report.summarize(
+                mine,
+                args.methods,
+                args.budget,
+                baselines(),
+                [n for n in args.methods if family(n) == "polykv"],
+            )
+        ]
+    # None: --report
+    config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)
     # one observation per prompt is shared by `prompt` and `context`; `agnostic` observes its own
     # (without the question): each is averaged over prompts on its own
     seen = {"shared": {}, "agnostic": {}}
@@ -763,18 +993,28 @@ def summarize(args, config, out, rows, m, t_start):
             raise UsageError(f"--report would replace {str(out / 'summary.json')!r} with fewer "
                              f"rows ({lost[0]}{more}); nothing written")
     write_atomic(out / "summary.json", json.dumps({"config": config, "rows": summary}, indent=1))
-    header = (f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
-              f"split {args.split} · memory {args.memory} · "
-              f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
-              f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · "
-              + (f"LongBench {args.data} · " if args.data else "")
-              + f"prompts {config['prompts']} · "
-              f"wall {config['wall_s']} s · shared prefill "
-              f"{config['prefill_s']} s per prompt"
-              + (f" (agnostic's own {config['prefill_agnostic_s']} s)" if "prefill_agnostic_s" in config else ""))
-    tables = [(f"protocol {p}\n\n" if len(args.protocol) > 1 else "")
-              + report.table([d for d in summary if d["protocol"] == p], args.methods, args.budget, args.tasks)
-              for p in args.protocol]
+    header = (
+        f"model {args.model_name} · device {m.device} · dtype {m.dtype} · seed {args.seed} · "
+        f"split {args.split} · memory {args.memory} · "
+        f"RULER {','.join(args.tasks) or '–'} at {args.length} × {args.samples} · fidelity "
+        f"{args.fidelity_length} × {args.fidelity_samples} (+{args.cont_len}) · "
+        + (f"LongBench {args.data} · " if args.data else "")
+        + f"prompts {config['prompts']} · "
+        f"wall {config['wall_s']} s · shared prefill "
+        f"{config['prefill_s']} s per prompt"
+        + (
+            f" (agnostic's own {config['prefill_agnostic_s']} s)"
+            if "prefill_agnostic_s" in config
+            else ""
+        )
+    )
+    tables = [
+        (f"protocol {p}\n\n" if len(args.protocol) > 1 else "")
+        + report.table(
+            [d for d in summary if d["protocol"] == p], args.methods, args.budget, args.tasks
+        )
+        for p in args.protocol
+    ]
     md = header + f" · protocol {','.join(args.protocol)}\n\n" + "\n\n".join(tables)
     write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)

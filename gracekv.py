@@ -29,8 +29,9 @@ all actions of all units compete for one budget. Read top to bottom, in the pape
 Notation: T prompt tokens, r recent window, Tc = T − r context tokens, H query heads, G KV
 heads, g = H/G, D head dim, L layers, U = L·G units, P = g·(r + m) probes per unit, n tokens in
 a node; batch 1; at most U·B entries. [choice] marks where the paper is open (docs/gracekv.md,
-"Choices"); `VARIANTS` (support/gracekv_variants.py) swap one function or setting each, among
-them our earlier readings; the kernels never branch on them.
+"Choices"). Each step calls the paper's function through `Formulas` (the method section, at the
+end); gracekv_variants.py builds the other rows, each replacing one function or setting (our
+earlier readings, ablations); the kernels never branch on them.
 """
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ import heapq
 import math
 from dataclasses import dataclass, field, replace
 from functools import cached_property
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -47,25 +48,21 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
-from support.gracekv_variants import VARIANTS, is_row, overrides  # noqa: F401  (the rows)
-from support.greedy import Last, Plan, Split, add_nodes, batched_logits, by_length, peek
-from support.greedy import picture  # noqa: F401  (gracekv.picture: the README's API)
-
-
-def _later(name: str):     # a default that names a function defined further down, in its step's section
-    return field(default_factory=lambda: globals()[name])
+from support.greedy import Last, batched_logits, by_length, peek
 
 
 @dataclass(frozen=True)
 class Settings:
-    window: int = 32          # r: exact recent tokens = probes U, the sequence's (= question's) suffix [choice: w = 32]
+    # r: exact recent tokens = probes U, the sequence's (= question's) suffix [choice: w = 32]
+    window: int = 32
     slot_min: int = 16        # slot lengths 16..128, about 64 (the paper)
     slot_max: int = 128
     slot_target: int = 64     # [choice: the DP cuts the context into round(Tc / 64) slots]
     bend_depths: tuple = (0.25, 0.5, 0.75)  # κ's layers, as fractions of the depth [choice]
     bend_widths: tuple = (4, 8, 16)         # κ's window widths w [choice]
     lambda_stab: float = 0.5  # κ = mean − λ_stab·std over (layer, width) [choice]
-    lambda_s: float = 1.0     # b = z(κ) + λ_s·z(surprisal) (eq. 5) [choice: dev, 0.5 ties it, 0 loses]
+    # b = z(κ) + λ_s·z(surprisal) (eq. 5) [choice: dev, 0.5 ties it, 0 loses]
+    lambda_s: float = 1.0
     lambda_z: float = 1.0     # λ_Z, λ_M, λ_graph: not given by the paper [choice]
     lambda_m: float = 1.0
     lambda_graph: float = 0.3
@@ -73,27 +70,15 @@ class Settings:
     hops: int = 2             # propagation hops [choice]
     decay: float = 0.5        # hop k weighs decay^(k−1) [choice]
     hop_depths: tuple = (0.25, 0.5, 0.75)   # the sampled layers, as fractions of the depth [choice]
-    hop_forward: float = 0.5  # the hops' map: (1 − f)·what a token reads + f·who reads it [choice: dev]
+    # the hops' map: (1 − f)·what a token reads + f·who reads it [choice: dev]
+    hop_forward: float = 0.5
     evidence: int = 32        # distortion probes also from high-evidence slots: this many per
     evidence_stride: int = 4  # layer, every stride-th query of the slots of highest peak R [choice]
-    dense_hops: int = 0       # hops of the dense value flow (only its variant reads them)
     beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
     floor_frac: float = 0.75  # φ: each unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice]
     eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in eq. 8's Z² + ε, ‖M‖² + ε
     log_rho_max: float = 20.0  # guard on log(Z̃/Z): D stays finite in fp32 for extreme logits
     prefetch: int = 2048      # heap entries whose nodes are evaluated together (speed only)
-    # the formulas a variant may swap (VARIANTS), each picked once here, never branched on:
-    key: Callable = _later("key_unrotated")              # a node's key k̃ (eq. 6)
-    multiplicity: Callable = _later("multiplicity_hbar")  # its log m (eq. 7)
-    value_beta: Callable = _later("beta_local")          # β in its value weights (eq. 7)
-    slotting: Callable = _later("dp_slots")              # slots from the boundary scores (eq. 5)
-    multi_hop: Callable = _later("seeded_hops")          # d̂ and the seeds (eqs. 9-10)
-    unit_rows: Callable = _later("own_rows")             # R per unit (eq. 10)
-    extract: Callable = _later("extract_three")          # salient-token extraction
-    rank_adds: Callable = _later("rank_by_gain")         # what an add competes with (eq. 13)
-    split_gain: Callable = _later("split_gain")           # Δ_split of a node (eq. 12)
-    floor: Callable = _later("seed_floor")               # the singleton floor
-
     def __post_init__(self):
         if min(self.window, self.slot_min, self.prefetch, self.seeds, self.evidence_stride) < 1:
             raise UsageError("window, slot_min, seeds, prefetch and evidence_stride must be >= 1")
@@ -102,82 +87,107 @@ class Settings:
                              f"got {self.bend_widths}")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
-        if not (0 <= self.lambda_graph <= 1 and 0 <= self.floor_frac <= 1 and 0 <= self.hop_forward <= 1
-                and min(self.hops, self.evidence) >= 0):
-            raise UsageError("need lambda_graph, floor_frac, hop_forward in [0, 1] and hops, evidence >= 0")
+        if not (
+            0 <= self.lambda_graph <= 1
+            and 0 <= self.floor_frac <= 1
+            and 0 <= self.hop_forward <= 1
+            and min(self.hops, self.evidence) >= 0
+        ):
+            raise UsageError(
+                "need lambda_graph, floor_frac, hop_forward in [0, 1] and hops, evidence >= 0"
+            )
 
-    def to_json(self) -> dict:       # JSON-ready: each formula by its function's name
-        return {k: getattr(v, "__name__", v) for k, v in self.__dict__.items()}
+    def to_json(self) -> dict:       # JSON-ready
+        return dict(self.__dict__)
 
 
-def depths(fracs, L: int) -> list:    # layer indices at fractions of the depth: round(f·(L − 1)), distinct
+# layer indices at fractions of the depth: round(f·(L − 1)), distinct
+def depths(fracs, L: int) -> list:
     return sorted({round(f * (L - 1)) for f in fracs})
 
 
-# ============================================================================= observation: probes and value flow
+# =============================================================== observation: probes and value flow
 
 @dataclass(frozen=True)
 class ValueFlow:
-    """GraceKV's per-layer statistic of the shared prefill (polykv.Needs.extra): the probe queries
-    (the last r tokens), the first hop x^0_i = Σ_{u∈U} Ā[u, i] per KV head (Ā the group-mean
-    attention) and, for the dense variant, x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i] (query rows come in
-    descending chunks, so every hop takes the same pass); the queries of the `sampled` layers,
-    for the hop-wise propagation; every stride-th query (positions 0, stride, ...), from which
-    `context` draws the evidence probes; the sampled layers' row log-normalisers lse_i, read off
-    the pass's A at the row's largest entry j*: lse_i = q_i·k_j*/√D − log A[i, j*] (no
-    underflow: A[i, j*] ≥ 1/(i+1)). Value per layer: (probes (H, r, D), x (hops+1, G, T), queries
-    (H, T, D), strided queries (H, ⌈T/stride⌉, D), their phase 0, lse (H, T); None if not kept)."""
+    """GraceKV's per-layer statistic of the shared prefill (polykv.Needs.extra): the probe
+    queries (the last r tokens); the first hop x_i = Σ_{u∈U} Ā[u, i] per KV head (Ā the
+    group-mean attention); the queries of the `sampled` layers, for the hop-wise propagation;
+    every stride-th query (positions 0, stride, ...), from which `context` draws the evidence
+    probes; the sampled layers' row log-normalisers lse_i, read off the pass's A at the row's
+    largest entry j*: lse_i = q_i·k_j*/√D − log A[i, j*] (no underflow: A[i, j*] ≥ 1/(i+1)).
+    Value per layer: (probes (H, r, D), x (1, G, T), queries (H, T, D), strided queries
+    (H, ⌈T/stride⌉, D), their phase 0, lse (H, T); None where not kept)."""
     window: int = 32
-    hops: int = 0
     sampled: tuple = ()
     stride: int = 0           # 0: no evidence probes
 
-    def lowest(self, T: int, layer: int) -> int:   # dense hops, sampled layers: every row; else the last r
-        return 0 if self.hops or layer in self.sampled else T - min(self.window, T)
+    def lowest(self, T: int, layer: int) -> int:
+        """The first query row read: every row of a sampled layer, else the last r."""
+        return 0 if layer in self.sampled else T - min(self.window, T)
 
     def begin(self, q, lc, layer: int) -> dict:
-        T, acc = q.shape[2], torch.float64 if q.dtype == torch.float64 else torch.float32
+        T = q.shape[2]
+        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
         r = min(self.window, T)
-        seed = (torch.arange(T, device=q.device) >= T - r).to(acc)  # the probe rows u ∈ U
-        return {"x": q.new_zeros(self.hops + 1, lc.k.shape[1], T, dtype=acc), "seed": seed,
-                "probes": q[0, :, T - r:].contiguous().clone(),
+        G = lc.k.shape[1]
+        sampled = layer in self.sampled
+        return {"x": q.new_zeros(self.flow_rows(), G, T, dtype=acc),        # (rows, G, T)
+                "seed": (torch.arange(T, device=q.device) >= T - r).to(acc),  # (T,) u ∈ U
+                "probes": q[0, :, T - r:].contiguous().clone(),              # (H, r, D)
                 "strided": q[0, :, ::self.stride].clone() if self.stride else None,
-                "queries": q[0].clone() if layer in self.sampled else None, "k": lc.k[0],
-                "lse": q.new_zeros(q.shape[1], T, dtype=acc) if layer in self.sampled else None}
+                "queries": q[0].clone() if sampled else None,                # (H, T, D)
+                "k": lc.k[0],                                                # (G, T, D)
+                "lse": q.new_zeros(q.shape[1], T, dtype=acc) if sampled else None}
+
+    def flow_rows(self) -> int:      # rows of x: the first hop alone
+        return 1
 
     def add(self, st: dict, c0: int, c1: int, p):
-        G, x = st["x"].shape[1], st["x"]
+        """Query rows [c0, c1) with their attention p (1, H, c, c1)."""
+        G = st["x"].shape[1]
         A = p[0].view(G, p.shape[1] // G, c1 - c0, c1).mean(1)        # (G, c, c1) group mean Ā
-        prev = st["seed"][c0:c1].expand(G, -1)                       # (G, c)
-        for k in range(self.hops + 1):
-            x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]             # x^k += x^{k−1}[rows] Ā[rows]
-            prev = x[k, :, c0:c1]
-        if st["lse"] is not None:                                    # lse = logit − log A at the row's max
+        self.spread(st["x"], st["seed"], c0, c1, A)
+        if st["lse"] is not None:           # lse = logit − log A at the row's largest entry
             top, j = p[0].max(-1)                                    # (H, c)
-            q, kj = st["queries"][:, c0:c1], st["k"][torch.arange(len(j), device=j.device)[:, None] * G // len(j), j]
-            st["lse"][:, c0:c1] = (q.to(top) * kj.to(top)).sum(-1) / math.sqrt(q.shape[-1]) - top.log()   # (H, c)
+            H = len(j)
+            q = st["queries"][:, c0:c1]                              # (H, c, D)
+            head_group = torch.arange(H, device=j.device)[:, None] * G // H
+            kj = st["k"][head_group, j]                              # (H, c, D) the keys j*
+            logit = (q.to(top) * kj.to(top)).sum(-1) / math.sqrt(q.shape[-1])
+            st["lse"][:, c0:c1] = logit - top.log()                  # (H, c)
+
+    def spread(self, x, seed, c0: int, c1: int, A):
+        """x_i += Σ_{u ∈ rows ∩ U} Ā[u, i]: the first hop of the chunk's rows."""
+        prev = seed[c0:c1].expand(A.shape[0], -1)                    # (G, c)
+        x[0, :, :c1] += (prev[:, None, :] @ A)[:, 0]
 
     def end(self, st: dict):
         return st["probes"], st["x"], st["queries"], st["strided"], 0, st["lse"]
 
     def cut(self, value, a: int, b: int):
-        """The value over keys a..b−1 alone (support/protocols.cut): the probes (the last r queries)
-        stay, x and the queries are sliced, the strided ones from the first in [a, b), with a phase."""
+        """The value over keys a..b−1 alone (support/protocols.cut): the probes (the last r
+        queries) stay, x and the queries are sliced, the strided ones from the first in [a, b),
+        with a phase."""
         probes, x, queries, strided, phase, lse = value
         if strided is not None:
             i0, i1 = (-(-(e - phase) // self.stride) for e in (a, b))
             strided, phase = strided[:, i0:i1], i0 * self.stride + phase - a
-        sl = lambda y: None if y is None else y[:, a:b]              # the whole prompt's normalisers
-        return probes, x[..., a:b], sl(queries), strided, phase, sl(lse)
+        queries = None if queries is None else queries[:, a:b]
+        lse = None if lse is None else lse[:, a:b]          # the whole prompt's normalisers
+        return probes, x[..., a:b], queries, strided, phase, lse
 
     def merge(self, other: "ValueFlow") -> "ValueFlow":
-        """Variants share one pass: the most dense hops and every sampled layer serve all."""
+        """Rows sharing one pass: every sampled layer serves all; a subclass (a variant's
+        statistic) merges it in."""
+        if type(other) is not type(self) and isinstance(other, type(self)):
+            return other.merge(self)
         if other.window != self.window:
-            raise UsageError(f"GraceKV variants observe with different windows: {self} vs {other}")
+            raise UsageError(f"GraceKV rows observe with different windows: {self} vs {other}")
         if other.stride != self.stride and min(self.stride, other.stride) > 0:
-            raise UsageError(f"GraceKV variants observe different evidence strides: {self} vs {other}")
-        return ValueFlow(self.window, max(self.hops, other.hops), tuple(sorted(set(self.sampled) | set(other.sampled))),
-                         max(self.stride, other.stride))
+            raise UsageError(f"GraceKV rows observe different evidence strides: {self} vs {other}")
+        sampled = tuple(sorted(set(self.sampled) | set(other.sampled)))
+        return replace(self, sampled=sampled, stride=max(self.stride, other.stride))
 
 
 @dataclass
@@ -185,29 +195,36 @@ class Flow:
     """What GraceKV keeps from the full prefill, per layer (never a whole (H, T, T) map)."""
     window: int
     probes: list = field(default_factory=list)  # [(H, r, D)] post-RoPE queries of the last r tokens
-    flow: list = field(default_factory=list)    # [(hops+1, G, T)] x^0 = s (first hop), x^k = x^{k−1}·Ā
+    flow: list = field(default_factory=list)    # [(1, G, T)] x^0 = s, the first hop
     queries: list = field(default_factory=list)  # [(H, T, D) or None] the sampled layers' queries
-    strided: list = field(default_factory=list)  # [(H, ⌈T/stride⌉, D) or None] every stride-th query
+    # [(H, ⌈T/stride⌉, D) or None] every stride-th query
+    strided: list = field(default_factory=list)
     phase: list = field(default_factory=list)    # [int] strided query i is token i·stride + phase
     lse: list = field(default_factory=list)      # [(H, T) or None] the sampled layers' row log Σ
     surprisal: Optional[torch.Tensor] = None     # (1, T) −log p of each token, if Settings.lambda_s
 
 
-def needs(s: "Settings", n_layers: int) -> polykv.Needs:
-    """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries."""
-    sampled, stride = tuple(depths(s.hop_depths, n_layers)), s.evidence_stride if s.evidence else 0
-    return polykv.Needs(extra=(("flow", ValueFlow(s.window, s.dense_hops, sampled, stride)),), surprisal=s.lambda_s != 0)
+def needs(s: "Settings", n_layers: int, statistic=ValueFlow) -> polykv.Needs:
+    """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries
+    (statistic: the class that records them, ValueFlow; a variant may extend it)."""
+    sampled = tuple(depths(s.hop_depths, n_layers))
+    stride = s.evidence_stride if s.evidence else 0
+    flow = statistic(s.window, sampled, stride)
+    return polykv.Needs(extra=(("flow", flow),), surprisal=s.lambda_s != 0)
 
 
 def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    return Flow(window, *map(list, zip(*obs.extra["flow"])), obs.surprisal)   # per layer: probes .. lse
+    # per layer: probes .. lse
+    return Flow(window, *map(list, zip(*obs.extra["flow"])), obs.surprisal)
 
 
 @torch.no_grad()
-def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 256):
+def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 256,
+            statistic=ValueFlow):
     """Full prefill of tokens (1, T) observing the probes and flow (chunk: query rows per pass)."""
     s = settings or Settings()
-    full, obs = polykv.observe(model, tokens, replace(needs(s, model.config.n_layers), chunk=chunk))
+    wanted = replace(needs(s, model.config.n_layers, statistic), chunk=chunk)
+    full, obs = polykv.observe(model, tokens, wanted)
     return full, flow_of(obs, s.window)
 
 
@@ -229,7 +246,8 @@ def bends(h: torch.Tensor, w: int) -> torch.Tensor:
 
 
 def robust_z(x: torch.Tensor) -> torch.Tensor:
-    """(x − median) / (1.4826·MAD + 1e-12): a z-score that a few large bends do not flatten [choice]."""
+    """(x − median) / (1.4826·MAD + 1e-12): a z-score that a few large bends do not flatten
+    [choice]."""
     med = x.median()
     return (x - med) / (1.4826 * (x - med).abs().median() + 1e-12)
 
@@ -239,10 +257,13 @@ def slot_bends(model, full: Cache, Tc: int, s: Settings, acc, surprisal=None) ->
     v_t/‖v_t‖] over heads (the cache's un-rotated keys and values at layer l: a linear image of the
     hidden state) for the layers at `bend_depths` and the widths `bend_widths`; κ = mean −
     λ_stab·std over (l, w); b = z(κ) + λ_s·z(surprisal (1, T): −log p of each token), robust z."""
-    T, pos, ks = full.layers[0].k.shape[2], full.layers[0].pos[0, 0], []   # pos (T,): the keys' positions
+    # pos (T,): the keys' positions
+    T, pos, ks = full.layers[0].k.shape[2], full.layers[0].pos[0, 0], []
     for lc in [full.layers[lb] for lb in depths(s.bend_depths, model.config.n_layers)]:
         kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)       # (G, T, D)
-        h = torch.cat((F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1).transpose(0, 1)
+        h = torch.cat(
+            (F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1
+        ).transpose(0, 1)
         ks += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
     k, z = torch.stack(ks), lambda x: robust_z(x) if Tc > 1 else x    # k (layers·widths, Tc)
     kappa = k.mean(0) - s.lambda_stab * (k.std(0, unbiased=False) if len(ks) > 1 else 0)
@@ -272,7 +293,8 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     back = []
     for k in range(1, K + 1):
         prev = F.pad(best, (hi, 0), value=float("-inf"))              # prev[i + hi] = best(i)
-        m, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)                 # window of i: j = i − hi .. i − lo
+        # window of i: j = i − hi .. i − lo
+        m, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)
         back.append(arg + torch.arange(Tc + 1, device=cpu) - hi)      # the previous cut j
         best = m + (gain if k < K else 0.0)
     cuts = [Tc]
@@ -281,7 +303,7 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-# ============================================================================= prototype trees and distortion (eqs. 6-8)
+# ======================================================== prototype trees and distortion (eqs. 6-8)
 # A node = a span [a, b) of one unit (layer, KV head) minus its holes (floor tokens, tokens
 # extracted from its ancestors); `Units` holds what a node reads; `node_stats`: eqs. 6-8, batched.
 
@@ -298,10 +320,13 @@ class Units:
     R: torch.Tensor       # (U, Tc+1) relevance R_t of each unit's tokens; Σ_t R = 1
     hole: torch.Tensor    # (U, Tc) tokens later nodes leave out: the floor, then extracted leaves
     inv_freq: torch.Tensor
-    s: object             # Settings (β, ε, λ_Z, λ_M, log ρ cap, the key and multiplicity formulas)
-    k: torch.Tensor       # (U, Tc+1, D) post-RoPE context keys (the post-RoPE-key variant)
-    qpos: torch.Tensor    # (U, P) the probes' token indices: a probe reads nodes ending at or before it
-    p0: int = 0           # the position of token 0 (> 0 when a protocol cuts the prompt's prefix off)
+    s: object             # Settings (β, ε, λ_Z, λ_M, log ρ cap)
+    f: object             # Formulas (the key, multiplicity and β of a node)
+    k: torch.Tensor       # (U, Tc+1, D) post-RoPE context keys k_t, the cache's own
+    # (U, P) the probes' token indices: a probe reads nodes ending at or before it
+    qpos: torch.Tensor
+    # the position of token 0 (> 0 when a protocol cuts the prompt's prefix off)
+    p0: int = 0
 
     @property
     def Tc(self) -> int:
@@ -309,12 +334,14 @@ class Units:
 
 
 class Span:
-    """The gathered tokens of a batch of nodes (rows(x): (N, n, ·), zeros outside each node),
-    their count nf (N,) and rounded mean position p (N,): what the key and multiplicity
-    formulas read."""
+    """What a node's formulas read, for a batch of N nodes of at most n tokens: rows(x) gathers
+    a (U, Tc+1, ·) tensor as (N, n, ·), zeros outside each node; nf (N,) token counts, p (N,)
+    rounded mean positions, mask (N, n) the node's tokens (1.0), Rt (N, n) their relevance;
+    once the key is made, qk (N, P) = q_u·k̃/√D − c_u and logZ (N, P) = log Σ_{t∈v} A[u, t]."""
 
-    def __init__(self, cx, rows, nf, p):
-        self.cx, self.rows, self.nf, self.p = cx, rows, nf, p
+    def __init__(self, cx, rows, nf, p, mask, Rt):
+        self.cx, self.rows, self.nf, self.p, self.mask, self.Rt = cx, rows, nf, p, mask, Rt
+        self.qk = self.logZ = None
 
     @cached_property
     def kbar(self) -> torch.Tensor:
@@ -326,16 +353,16 @@ def key_unrotated(span: Span) -> torch.Tensor:
     return M.apply_rope(span.kbar, span.p, span.cx.inv_freq)
 
 
-def multiplicity_hbar(span: Span, qk, logZ) -> torch.Tensor:
+def multiplicity_hbar(span: Span) -> torch.Tensor:
     """Eq. 7: ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m = clamp(n·ħ², 1, n); returns log m (N,)."""
     nf = span.nf
     hbar = span.kbar.norm(dim=-1) / (span.rows(span.cx.knorm).sum(1) / nf + span.cx.s.eps)
     return (nf * hbar ** 2).clamp(min=1).minimum(nf).log()
 
 
-def beta_local(Rt, mask, nf, beta: float, Tc: int) -> torch.Tensor:
+def beta_local(span: Span, beta: float) -> torch.Tensor:
     """Eq. 7: each node its own β_v = beta·mean_{t∈v} R_t (N,)."""
-    return beta * (Rt * mask).sum(1) / nf
+    return beta * (span.Rt * span.mask).sum(1) / span.nf
 
 
 def distortion(logZ, Z2, mu2, muv, logZp, v2, s):
@@ -363,12 +390,17 @@ def node_stats(cx: Units, unit, a, b, skip=None) -> dict:
     [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none):
     `_node_stats` over batches of similar lengths (support.greedy.by_length)."""
     skip = torch.full_like(a, -1) if skip is None else skip
-    return by_length(lambda *x: _node_stats(cx, *x), (unit, a, b, skip), b - a, cap=max(1, (1 << 21) // cx.lg.shape[2]))
+    return by_length(
+        lambda *x: _node_stats(cx, *x),
+        (unit, a, b, skip),
+        b - a,
+        cap=max(1, (1 << 21) // cx.lg.shape[2]),
+    )
 
 
 def _node_stats(cx: Units, u, a, b, skip, n):
     """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
-    s, Tc = cx.s, cx.Tc
+    s, f, Tc = cx.s, cx.f, cx.Tc
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
     mask = (idx < b[:, None]) & (idx != skip[:, None])
     mask &= ~cx.hole[u[:, None], idx.clamp(max=Tc - 1)]
@@ -377,23 +409,31 @@ def _node_stats(cx: Units, u, a, b, skip, n):
     first = mask.to(torch.int8).argmax(1)
     last = n - 1 - mask.flip(1).to(torch.int8).argmax(1)
     nf = cnt.clamp(min=1).to(cx.kr.dtype)
-    flat = (u[:, None] * (Tc + 1) + ix).view(-1)                              # rows of (U·(Tc+1), ·)
-    rows = lambda x: x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
+    # rows of (U·(Tc+1), ·)
+    flat = (u[:, None] * (Tc + 1) + ix).view(-1)
+
+    def rows(x):                      # (U, Tc+1, ·) -> (N, n, ·), the sentinel row outside the node
+        return x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
     V = rows(cx.v)                                                            # (N, n, D), 0 outside
-    p = ((idx * mask).sum(1) / nf).round() + cx.p0                            # rounded mean position
-    span = Span(cx, rows, nf, p)
-    key = s.key(span)                                                         # k̃ (N, D), eq. 6
+    # rounded mean position
+    p = ((idx * mask).sum(1) / nf).round() + cx.p0
     Rt = rows(cx.R)                                                           # (N, n), 0 outside
-    w = Rt + s.value_beta(Rt, mask.to(Rt.dtype), nf, s.beta, Tc)[:, None] * mask.to(Rt.dtype)   # R_t + β
+    span = Span(cx, rows, nf, p, mask.to(Rt.dtype), Rt)
+    key = f.key(span)                                                         # k̃ (N, D), eq. 6
+    w = Rt + f.value_beta(span, s.beta)[:, None] * span.mask                  # R_t + β_v (N, n)
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
-    lg = rows(cx.lg)                                                          # (N, n, P), −inf outside
-    mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)                      # (N, P) log-space shift
+    # (N, n, P), −inf outside
+    lg = rows(cx.lg)
+    # (N, P) log-space shift
+    mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)
     # e = exp(lg − mx) ≤ 1, the largest term 1; exponents below −80 clamped: e ≥ 1.8e−35 in place of
     # a denormal or 0 (the CPU's exp: up to 30× slower), which next to 1 vanishes from every sum
     e = (lg - mx[:, None]).clamp_(min=-80.0).exp_()
     Z = e.sum(1)                                                              # (N, P)
-    logZ = (Z.log() + mx).masked_fill((a + last)[:, None] > cx.qpos.index_select(0, u), -1e30)  # unseen: weight 0
-    e /= Z[:, None]                                                           # a = e/Z: Z² may underflow
+    # unseen: weight 0
+    logZ = (Z.log() + mx).masked_fill((a + last)[:, None] > cx.qpos.index_select(0, u), -1e30)
+    # a = e/Z: Z² may underflow
+    e /= Z[:, None]
     Pn, Dh = e.shape[2], V.shape[2]
     if n * (Dh + Pn) <= Pn * Dh:     # short spans: ‖μ‖² = aᵀ(VVᵀ)a, n²·(D+P) per node
         mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1)                         # (N, P)
@@ -401,7 +441,8 @@ def _node_stats(cx: Units, u, a, b, skip, n):
         mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1)                          # (N, P)
     muv = (e * (V @ val[..., None])).sum(1)                                   # (N, P) ⟨μ, ṽ⟩
     qk = batched_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
-    logm = s.multiplicity(span, qk, logZ)                                     # log m (N,), eq. 7
+    span.qk, span.logZ = qk, logZ
+    logm = f.multiplicity(span)                                               # log m (N,), eq. 7
     logZp = logm[:, None] + qk                                      # log Z̃ = log m + q·k̃/√D − c
     D, Dd = distortion(logZ, Z.pow(2), mu2, muv, logZp, val.pow(2).sum(-1), s)
     zero = torch.zeros((), dtype=D.dtype, device=D.device)
@@ -410,15 +451,23 @@ def _node_stats(cx: Units, u, a, b, skip, n):
                 Ddrop=torch.where(cnt == 0, zero, Dd), key=key, val=val, pos=p.long(), logm=logm)
 
 
-# ============================================================================= value flow and head weights (eqs. 9-11)
+# ========================================================== value flow and head weights (eqs. 9-11)
 
-def evidence_probes(R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0) -> torch.Tensor:
+
+def evidence_probes(
+    R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0
+) -> torch.Tensor:
     """The evidence probes per layer (L, m), indices into the strided queries: the first
     m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
     StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
     if not s.evidence or not slots:
         return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
-    Rl = R.view(-1, G, R.shape[1]).mean(1).index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)  # (L, Tc)
+    # (L, Tc)
+    Rl = (
+        R.view(-1, G, R.shape[1])
+        .mean(1)
+        .index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)
+    )
     peaks = torch.stack([Rl[:, a:b].amax(1) for a, b in slots], 1).tolist()   # (L, K), one read
     out, st = [], s.evidence_stride
     for peak in peaks:
@@ -434,11 +483,14 @@ def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
     c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
     cfg = model.config
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    rp, pos, qs, lgs, ats = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []   # pos (T,)
-    last = torch.arange(full.next_pos - rp, full.next_pos, device=pos.device)   # U: the prompt's last r
+    # pos (T,)
+    rp, pos, qs, lgs, ats = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
+    # U: the prompt's last r
+    last = torch.arange(full.next_pos - rp, full.next_pos, device=pos.device)
     for l, lc in enumerate(full.layers):
         eq = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]  # (H, m, D)
-        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)   # (P,) the probes' positions
+        # (P,) the probes' positions
+        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)
         q = torch.cat((flow.probes[l], eq), 1).to(acc).reshape(G, -1, D)   # (G, P, D)
         lg = (q @ lc.k[0].to(acc).transpose(1, 2)) / math.sqrt(D)    # (G, P, T)
         lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
@@ -456,22 +508,23 @@ def head_weights(model, full: Cache, lg, acc, r: int) -> torch.Tensor:
     for l, lc in enumerate(full.layers):
         lu = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
         out = torch.softmax(lu, -1) @ lc.v[0, :, None].to(acc)      # (G, g, r, D) head outputs
-        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)  # (dim, G, g, D)
+        # (dim, G, g, D)
+        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)
         a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
         b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
         omega.append((a * b).sqrt())
     return torch.cat(omega)
 
 
-def relevance(model, full: Cache, flow: Flow, Tc: int, s: Settings):
+def relevance(model, full: Cache, flow: Flow, Tc: int, s: Settings, f: "Formulas"):
     """Eqs. 9-10 per unit: the first hop ŝ (x^0 over the context, normalised per unit), the
-    multi-hop d̂ and the seeds (Settings.multi_hop), R = (1 − λ_graph)·ŝ + λ_graph·d̂; then
-    Settings.unit_rows. Returns (R (U, Tc), ŝ (U, Tc), seeds [token ids, in hop order])."""
-    x = torch.stack(flow.flow)[..., :Tc]                             # (L, hops+1, G, Tc)
-    s_hat = unit_norm(x[:, 0].reshape(-1, Tc))                       # (U, Tc)
-    d_hat, seeds = s.multi_hop(model, full, flow, s_hat, x, s)       # (Tc,) shared, or (U, Tc)
+    multi-hop d̂ and the seeds (f.multi_hop), R = (1 − λ_graph)·ŝ + λ_graph·d̂, each unit its
+    own row (only d̂ is shared). Returns (R (U, Tc), ŝ (U, Tc), seeds [token ids, hop order])."""
+    x = torch.stack([y[0] for y in flow.flow])[..., :Tc]             # (L, G, Tc) first hop
+    s_hat = unit_norm(x.reshape(-1, Tc))                             # (U, Tc)
+    d_hat, seeds = f.multi_hop(model, full, flow, s_hat, s)          # (Tc,) shared, or (U, Tc)
     R = (1 - s.lambda_graph) * s_hat + s.lambda_graph * d_hat        # (U, Tc), Σ_t = 1 per unit
-    return s.unit_rows(R), s_hat, seeds
+    return R, s_hat, seeds
 
 
 def unit_norm(y: torch.Tensor) -> torch.Tensor:                       # rows summing to 1
@@ -483,12 +536,19 @@ def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
     heads and the sampled layers (those whose queries the flow kept): (1 − forward)·A[idx, :]
     (what tokens idx < Tc read) + forward·A[:, idx]ᵀ (who reads them), A[i, j] = exp(q_i·k_j/√D
     − lse_i) with the observed normalisers (the whole prompt's, also under `context`)."""
-    H, G, every = model.config.n_heads, model.config.n_kv_heads, torch.arange(Tc, device=full.layers[0].k.device)
+    H, G, every = (
+        model.config.n_heads,
+        model.config.n_kv_heads,
+        torch.arange(Tc, device=full.layers[0].k.device),
+    )
     layers = [l for l, q in enumerate(flow.queries) if q is not None]
 
-    def A(l, at, keys):                                              # (H, n, m) causal, queries at, keys
+    # (H, n, m) causal, queries at, keys
+    def A(l, at, keys):
         q, k = flow.queries[l][:, at], full.layers[l].k[0, :, keys]  # (H, n, D), (G, m, D)
-        lg = (q.double() @ k.double().repeat_interleave(H // G, 0).transpose(1, 2)) / math.sqrt(q.shape[-1])
+        lg = (q.double() @ k.double().repeat_interleave(H // G, 0).transpose(1, 2)) / math.sqrt(
+            q.shape[-1]
+        )
         lg = lg - flow.lse[l][:, at, None].double()
         return lg.masked_fill(keys[None, :] > at[:, None], float("-inf")).exp()
 
@@ -501,10 +561,12 @@ def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
 
 def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     """The hop-wise multi-hop of eq. 9-10 on a token attention map rows(idx) -> (|idx|, Tc):
-    seeds S_0 = the n_seeds tokens of highest s̄ (weights s̄); hop k: d_k = Σ_{j∈S_{k−1}} w_j·A[j, ·]
+    seeds S_0 = the n_seeds tokens of highest s̄ (weights s̄); hop k: d_k = Σ_{j∈S_{k−1}} w_j·A[j,
+    ·]
     with every seed chosen so far set to 0, S_k = its n_seeds best (weights d_k);
     d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows). Returns (d̂ (Tc,), seeds)."""
-    def order(v):                                                    # best first, ties to the later token
+    # best first, ties to the later token
+    def order(v):
         rank = torch.sort(v.flip(0), descending=True, stable=True).indices
         best = (len(v) - 1 - rank)[:n_seeds]
         ids, flows = torch.stack((best, (v[best] > 0).long())).tolist()   # one read
@@ -524,15 +586,11 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     return (unit_norm(d) if d.sum() > 0 else s_bar), seeds
 
 
-def seeded_hops(model, full: Cache, flow: Flow, s_hat, x, s: Settings):
+def seeded_hops(model, full: Cache, flow: Flow, s_hat, s: Settings):
     """The paper's multi-hop: s̄ = mean of ŝ over units, `propagate` on the sampled layers' map."""
     Tc = s_hat.shape[1]
-    return propagate(unit_norm(s_hat.mean(0)), hop_rows(model, full, flow, Tc, s.hop_forward), s.seeds, s.hops, s.decay)
-
-
-def own_rows(R: torch.Tensor) -> torch.Tensor:
-    """Eq. 10: each unit keeps its own row R_{l,g} (only d̂ is shared)."""
-    return R
+    rows = hop_rows(model, full, flow, Tc, s.hop_forward)
+    return propagate(unit_norm(s_hat.mean(0)), rows, s.seeds, s.hops, s.decay)
 
 
 @dataclass
@@ -547,22 +605,26 @@ class Context:
     slots: list           # [(a, b)] the context's slots
     seeds: list           # the multi-hop's seeds, in hop order (the floor's candidates)
     s: Settings
+    f: "Formulas"         # the formula each step calls
     G: int = 1            # KV heads per layer: units l·G .. l·G+G−1 share layer l's cache
 
     Tc = property(lambda self: self.T - self.r)
 
 
-def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
+def context(model, full: Cache, flow: Flow, r: int, s: Settings,
+            f: Optional["Formulas"] = None) -> Context:
     """One prompt's per-prompt steps (batch 1): probes, head weights ω, relevance R, slots; and
-    the units' un-rotated keys, values and probe log-masses."""
+    the units' un-rotated keys, values and probe log-masses. f: the paper's formulas if None."""
+    f = f or Formulas()
     T, Tc = full.layers[0].k.shape[2], full.layers[0].k.shape[2] - r
     acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
-    R, s_hat, seeds = relevance(model, full, flow, Tc, s)            # (U, Tc), (U, Tc), [t]
+    R, s_hat, seeds = f.relevance(model, full, flow, Tc, s, f)       # (U, Tc), (U, Tc), [t]
     kappa = slot_bends(model, full, Tc, s, acc, flow.surprisal)      # (Tc,)
-    slots = s.slotting(kappa, Tc, s)
+    slots = f.slotting(kappa, Tc, s)
     G = model.config.n_kv_heads
     ev = evidence_probes(R, slots, G, s, flow.phase[0])              # (L, m)
-    q, lg, c, qpos = probes(model, full, flow, acc, ev, s.evidence_stride)   # (U, P, D), (U, P, T), (U, P) ×2
+    # (U, P, D), (U, P, T), (U, P) ×2
+    q, lg, c, qpos = probes(model, full, flow, acc, ev, s.evidence_stride)
     omega = head_weights(model, full, lg, acc, flow.probes[0].shape[1])   # (U,)
     pos = full.layers[0].pos[0, 0]                                   # (T,) the keys' positions
     pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
@@ -574,90 +636,190 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings) -> Context:
                   lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
                   q=q, c=c, R=F.pad(R, (0, 1)).contiguous(),                          # (U, Tc+1)
                   hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
-                  inv_freq=model.inv_freq, s=s, qpos=qpos, p0=int(pos[0]))
+                  inv_freq=model.inv_freq, s=s, f=f, qpos=qpos, p0=int(pos[0]))
     return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
-                   slots=slots, seeds=seeds, s=s, G=G)
+                   slots=slots, seeds=seeds, s=s, f=f, G=G)
 
 
-CONTEXTS = Last(context, key=lambda model, full, flow, r, s: (id(model), id(full), id(flow.probes[0]), r, s))
+def context_key(model, full: Cache, flow: Flow, r: int, s: Settings, f: "Formulas") -> tuple:
+    """What a Context depends on, by identity."""
+    return id(model), id(full), id(flow.probes[0]), r, s, f
 
 
-# ============================================================================= budget flow (eqs. 12-13)
+def context_memo() -> Last:
+    """`context` remembered for its last arguments (speed only): the GraceKV rows and budgets
+    of one prompt share its budget-independent steps; clear it when the prompt is done."""
+    return Last(context, context_key)
+
+
+# ========================================================================= budget flow (eqs. 12-13)
 # Eq. 12: Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1;
 #         Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)), cost |child(v)| − 1.
 # Eq. 13: one max-heap on Δ/cost over all units; a node splits only once added.
 
-def extract_three(cx, u, a, b, ok, idc):
+@dataclass
+class Node:
+    """A node of a unit's tree (node_stats' fields): span [a, b) minus the unit's holes when made,
+    n tokens, R, D, D(drop), and its prototype: key (D,), value (D,), position, log m."""
+    __slots__ = ("unit", "a", "b", "n", "R", "D", "Ddrop", "key", "val", "pos", "logm")
+    unit: int
+    a: int
+    b: int
+    n: int
+    R: float
+    D: float
+    Ddrop: float
+    key: torch.Tensor
+    val: torch.Tensor
+    pos: int
+    logm: float
+
+
+NODE_FIELDS = Node.__slots__
+
+
+def add_nodes(nodes: list, st: dict, rows) -> list:
+    """Append rows of node_stats' output st to the node table; returns their node ids."""
+    first = len(nodes)
+    cols = [st[f][rows] for f in NODE_FIELDS]
+    cols = [x.tolist() if x.dim() == 1 else x.unbind(0) for x in cols]
+    nodes.extend(Node(*vals) for vals in zip(*cols))
+    return list(range(first, len(nodes)))
+
+
+class Split(NamedTuple):
+    """A node's best split: its gain, its cost in entries and the children it makes."""
+    gain: float
+    cost: int
+    children: list
+
+
+@dataclass
+class Plan:
+    """The forest as far as it was explored, and the greedy's trace: roots have add_gain;
+    evaluated nodes have split (gain, cost, children); steps: (kind, node, gain, cost)."""
+    B_alloc: int
+    nodes: list = field(default_factory=list)     # [Node], node i at index i
+    add_gain: dict = field(default_factory=dict)
+    # root -> its heap rank (add_gain, or the lookahead's)
+    add_rank: dict = field(default_factory=dict)
+    split: dict = field(default_factory=dict)     # node -> Split
+    steps: list = field(default_factory=list)
+    frontier: set = field(default_factory=set)    # nodes in the cache at the end
+    floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
+    slots: list = field(default_factory=list)     # [(a, b)] the context's slots
+    # (len(steps) then, kind, node): popped, not affordable
+    dropped: list = field(default_factory=list)
+
+
+def picture(plan: Plan, unit: int, Tc: int) -> list:
+    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
+    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
+    recent window (exact) is not drawn."""
+    nd, row = plan.nodes, ["."] * Tc
+    mine = sorted((nd[i].a, i) for i in plan.frontier if nd[i].unit == unit)
+    leaves = {nd[i].a for _, i in mine if nd[i].n == 1}
+    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
+    for k, (_, i) in enumerate([e for e in mine if nd[e[1]].n > 1]):
+        for t in range(nd[i].a, nd[i].b):
+            if not plan.floor[unit, t] and t not in leaves:
+                row[t] = letters[k % len(letters)]
+    for t in leaves:
+        row[t] = "x"
+    for t in plan.floor[unit].nonzero()[:, 0].tolist():
+        row[t] = "F"
+    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
+
+
+def extract_three(cx, u, a, b, free, within):
     """The paper's extraction: the token t of highest R^tok leaves as an exact leaf, both sides
     stay nodes: children [a, t), {t}, [t+1, b) (an empty side is no child: t at an end of the
-    span makes 2 children at cost 1 [choice]). Returns (t, [(start, end, skip)], marks holes)."""
-    t = a + cx.units.R[u[:, None], idc].masked_fill(~ok, float("-inf")).argmax(1)
+    span makes 2 children at cost 1 [choice]). Returns (t (N,), [(start, end, skip)] the
+    candidate children, each (N,); skip −1: none)."""
+    t = a + cx.units.R[u[:, None], within].masked_fill(~free, float("-inf")).argmax(1)
     none = torch.full_like(a, -1)
-    return t, [(a, t, none), (t, t + 1, none), (t + 1, b, none)], False
+    return t, [(a, t, none), (t, t + 1, none), (t + 1, b, none)]
 
 
-def split_gain(omega, R_v, D_v, R_children, D_children):
+class Children(NamedTuple):
+    """The candidate children of N nodes: relevance R and distortion D, (K, N) each; an absent
+    child has R = D = 0."""
+    R: torch.Tensor
+    D: torch.Tensor
+
+
+def split_gain(omega, R_v, D_v, children: Children):
     """Eq. 12: Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)): the parent's relevance times
-    the drop in distortion (nodes (N,); children (K, N), an absent child's D = 0)."""
-    return omega * R_v * (D_v - D_children.sum(0))
+    the drop in distortion (nodes (N,))."""
+    return omega * R_v * (D_v - children.D.sum(0))
 
 
 def best_splits(cx, plan: Plan, ids: list):
     """Best split of each node, by gain per entry (ties: bisection): a bisection at the highest κ
-    in its central half (2 children, cost 1), or the extraction of Settings.extract (the paper's:
-    3 children, cost 2). Gain: Settings.split_gain (eq. 12), cost = children − 1."""
-    nd = plan.nodes
+    in its central half (2 children, cost 1), or the extraction of f.extract (the paper's: 3
+    children, cost 2). Gain: f.split_gain (eq. 12), cost = children − 1. An extracted token
+    becomes a hole of its unit: no later node of the unit holds it."""
+    nodes = plan.nodes
     if not ids:
         return
-    u, a, b = (torch.tensor([getattr(nd[i], k) for i in ids], device=cx.units.kr.device) for k in ("unit", "a", "b"))
-    L = b - a
-    n = int(L.max())
+    u, a, b = (
+        torch.tensor([getattr(nodes[i], k) for i in ids], device=cx.units.kr.device)
+        for k in ("unit", "a", "b")
+    )
+    length = b - a
+    n = int(length.max())
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
-    idc = idx.clamp(max=cx.Tc - 1)
-    q = (L // 4).clamp(min=1)[:, None]
+    within = idx.clamp(max=cx.Tc - 1)
+    q = (length // 4).clamp(min=1)[:, None]
     central = (idx >= a[:, None] + q) & (idx <= b[:, None] - q)
-    c = a + cx.kappa[idc].masked_fill(~central, float("-inf")).argmax(1)       # bisection point
-    ok = (idx < b[:, None]) & ~cx.units.hole[u[:, None], idc]
-    t, ext, holes = cx.s.extract(cx, u, a, b, ok, idc)
+    c = a + cx.kappa[within].masked_fill(~central, float("-inf")).argmax(1)       # bisection point
+    free = (idx < b[:, None]) & ~cx.units.hole[u[:, None], within]
+    t, ext = cx.f.extract(cx, u, a, b, free, within)
     none = torch.full_like(a, -1)
-    cand = [(a, c, none), (c, b, none)] + ext                                  # K candidate children
+    # K candidate children
+    cand = [(a, c, none), (c, b, none)] + ext
     K = len(cand)
-    st = node_stats(cx.units, u.repeat(K), *(torch.cat([x[i] for x in cand]) for i in range(3)))
-    valid = (st["n"] > 0).view(K, -1)                      # (K, N) the non-empty children
-    Dc = st["D"].view(K, -1) * valid                       # (K, N), a leaf's D = 0
-    Rc = st["R"].view(K, -1) * valid
-    Rv, Dv = (torch.tensor([getattr(nd[i], f) for i in ids], device=a.device, dtype=Dc.dtype)
+    stats = node_stats(cx.units, u.repeat(K), *(torch.cat([x[i] for x in cand]) for i in range(3)))
+    valid = (stats["n"] > 0).view(K, -1)                      # (K, N) the non-empty children
+    Dc = stats["D"].view(K, -1) * valid                       # (K, N), a leaf's D = 0
+    Rc = stats["R"].view(K, -1) * valid
+    Rv, Dv = (torch.tensor([getattr(nodes[i], f) for i in ids], device=a.device, dtype=Dc.dtype)
               for f in ("R", "D"))
-    om = cx.omega[u]
-    gain_of = cx.s.split_gain
-    g_bis, g_ext = gain_of(om, Rv, Dv, Rc[:2], Dc[:2]), gain_of(om, Rv, Dv, Rc[2:], Dc[2:])
+    omega = cx.omega[u]
+    g_bis = cx.f.split_gain(omega, Rv, Dv, Children(Rc[:2], Dc[:2]))
+    g_ext = cx.f.split_gain(omega, Rv, Dv, Children(Rc[2:], Dc[2:]))
     c_bis, c_ext = valid[:2].sum(0) - 1, (valid[2:].sum(0) - 1).clamp(min=1)
     use_ext = g_ext / c_ext > g_bis / c_bis.clamp(min=1)
-    if holes:
-        cx.units.hole[u[use_ext], t[use_ext]] = True
-    gain, cost = torch.where(use_ext, g_ext, g_bis).tolist(), torch.where(use_ext, c_ext, c_bis).tolist()
+    cx.units.hole[u[use_ext], t[use_ext]] = True
+    gain, cost = (
+        torch.where(use_ext, g_ext, g_bis).tolist(),
+        torch.where(use_ext, c_ext, c_bis).tolist(),
+    )
     pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (K, N) children rows
-    ik = pick.T.nonzero()                                                     # (node, candidate) pairs
-    kids = add_nodes(nd, st, ik[:, 1] * len(ids) + ik[:, 0])
+    # (node, candidate) pairs
+    pairs = pick.T.nonzero()
+    kids = add_nodes(nodes, stats, pairs[:, 1] * len(ids) + pairs[:, 0])
     start = 0
     for node, gv, cv, nk in zip(ids, gain, cost, pick.sum(0).tolist()):
         plan.split[node] = Split(gv, cv, kids[start:start + nk])
         start += nk
 
 
-def rank_by_gain(cx, plan: "Plan", best_splits=None) -> dict:
-    return dict(plan.add_gain)            # eq. 13 as stated: an add competes by Δ_add / 1
+def rank_by_gain(cx, plan: Plan) -> dict:
+    """Eq. 13 as stated: an add competes by Δ_add / 1 (root -> its rank in the heap)."""
+    return dict(plan.add_gain)
 
 
 def allocate(cx, B_alloc: int) -> Plan:
-    """Budget flow: a global max-heap over add(root) (eq. 12, ranked by Settings.rank_adds,
+    """Budget flow: a global max-heap over add(root) (eq. 12, ranked by f.rank_adds,
     applied alone at cost 1) and split(added node) (eq. 13) by gain per entry. Nodes get their
     best split lazily, in batches, before an action that brings them in (and the next `prefetch`
     best) is applied, so every available action is known when it competes. Extractions mark
     holes in cx.units.hole: one Context serves one call. B_alloc counts entries (the cache is
     ragged: each unit holds exactly its own); an action whose cost does not fit what is left
     is dropped [choice: not retried]."""
-    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots)  # floor = holes before the greedy
+    # floor = holes before the greedy
+    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots)
     left = B_alloc                                                  # entries: the cache is ragged
     roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
     if roots:
@@ -666,7 +828,7 @@ def allocate(cx, B_alloc: int) -> Plan:
         keep = (st["n"] > 0).nonzero()[:, 0]
         gain = (cx.omega[st["unit"]] * st["R"] * (st["Ddrop"] - st["D"]))[keep].tolist()
         plan.add_gain = dict(zip(add_nodes(plan.nodes, st, keep), gain))
-    rank = plan.add_rank = cx.s.rank_adds(cx, plan, best_splits)
+    rank = plan.add_rank = cx.f.rank_adds(cx, plan)
     heap = [(-g, i, "add", i) for i, g in rank.items()]             # (−gain/cost, tie, kind, node)
     heapq.heapify(heap)
     nd, tie = plan.nodes, len(heap)
@@ -679,8 +841,13 @@ def allocate(cx, B_alloc: int) -> Plan:
         return (1 if kind == "add" else plan.split[v].cost) <= left
 
     def below(kind, v, tau):    # what the action brings in and, down splits already evaluated
-        out = entering(kind, v)          # that rank >= tau (applied soon after it), what they bring in
-        walk = [c for c in ([v] if kind == "add" else plan.split[v].children) if nd[c].n > 1 and c in plan.split]
+        # that rank >= tau (applied soon after it), what they bring in
+        out = entering(kind, v)
+        walk = [
+            c
+            for c in ([v] if kind == "add" else plan.split[v].children)
+            if nd[c].n > 1 and c in plan.split
+        ]
         while walk:
             c = walk.pop()
             g, cost, kids = plan.split[c]
@@ -705,8 +872,12 @@ def allocate(cx, B_alloc: int) -> Plan:
             while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead
                 best_splits(cx, plan, sorted(todo))
                 done += len(todo)
-                todo = {c for v in todo if plan.split[v].gain / plan.split[v].cost >= tau and fits("split", v)
-                        for c in entering("split", v)}
+                todo = {
+                    c
+                    for v in todo
+                    if plan.split[v].gain / plan.split[v].cost >= tau and fits("split", v)
+                    for c in entering("split", v)
+                }
         _, _, kind, v = heapq.heappop(heap)
         gain, cost, kids = (plan.add_gain[v], 1, [v]) if kind == "add" else plan.split[v]
         left -= cost
@@ -763,7 +934,8 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
             ex = sorted(floor[j] + leaves) + list(range(Tc, cx.T))
             ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
             k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
-            if protos:                                                       # bias log m: m tokens' mass
+            # bias log m: m tokens' mass
+            if protos:
                 more = (torch.stack([x.key for x in protos]), torch.stack([x.val for x in protos]),
                         torch.tensor([x.pos for x in protos], device=dev),
                         torch.tensor([x.logm for x in protos], dtype=torch.float64, device=dev))
@@ -776,32 +948,58 @@ def assemble(cx, full: Cache, plan: Plan) -> Cache:
 
 # ============================================================================= the method
 
+@dataclass(frozen=True)
+class Formulas:
+    """The function each step calls: the paper's. A row of gracekv_variants.py replaces one
+    (a reading of ours or an ablation); the steps never branch on which."""
+    statistic: type = ValueFlow        # what the prefill records (eq. 9's first hop, probes)
+    relevance: Callable = relevance    # R per unit and the seeds (eqs. 9-10)
+    multi_hop: Callable = seeded_hops  # d̂ and the seeds (eqs. 9-10)
+    slotting: Callable = dp_slots      # slots from the boundary scores (eq. 5)
+    key: Callable = key_unrotated      # a node's key k̃ (eq. 6)
+    multiplicity: Callable = multiplicity_hbar   # its log m (eq. 7)
+    value_beta: Callable = beta_local  # β in its value weights (eq. 7)
+    extract: Callable = extract_three  # the salient-token extraction (eq. 12's split)
+    split_gain: Callable = split_gain  # Δ_split (eq. 12)
+    rank_adds: Callable = rank_by_gain  # what an add competes with (eq. 13)
+    floor: Callable = seed_floor       # the singleton floor
+
+    def to_json(self) -> dict:        # each step's function by name
+        return {k: v.__name__ for k, v in self.__dict__.items()}
+
+
 @torch.no_grad()
 def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Settings] = None,
-             return_plan: bool = False):
+             return_plan: bool = False, formulas: Optional[Formulas] = None, memo=None):
     """A new GraceKV cache from a FullKV prefill `full` of one prompt and its Flow (observe).
 
-    At most U·budget real entries; `full` is left untouched (several methods share it)."""
-    s = settings or Settings()
+    At most U·budget real entries; `full` is left untouched (several methods share it).
+    memo: a `context_memo()` shared by several calls on one prompt; None computes the
+    budget-independent steps here."""
+    s, f = settings or Settings(), formulas or Formulas()
     T, B = full.layers[0].k.shape[2], full.layers[0].k.shape[0]
     if budget < 1:
         raise UsageError(f"budget must be >= 1, got {budget}")
     if B != 1:
         raise UsageError(f"gracekv compresses one prompt at a time, got a batch of {B}")
     if flow.window != s.window or (s.lambda_s and flow.surprisal is None):
-        raise UsageError(f"flow: window {flow.window}, surprisal {flow.surprisal is not None}; settings: {s.window}, λ_s {s.lambda_s}")
+        raise UsageError(f"flow: window {flow.window}, surprisal {flow.surprisal is not None}; "
+                         f"settings: {s.window}, λ_s {s.lambda_s}")
     dev, G, plan = full.layers[0].k.device, full.layers[0].k.shape[1], None
     if T <= budget:                                                           # identity: FullKV
         out = Cache(list(full.layers), full.next_pos, full.last_logits)
     elif budget <= s.window:          # only the window fits: the attention sink + the last B − 1
         idx = torch.cat((torch.zeros(1, dtype=torch.long, device=dev),
-                         torch.arange(T - budget + 1, T, device=dev))).expand(1, G, budget)  # (1, G, B)
+                         torch.arange(T - budget + 1, T, device=dev)))       # (B,)
+        idx = idx.expand(1, G, budget)                                       # (1, G, B)
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
-        cx = CONTEXTS(model, full, flow, s.window, s)                         # budget-independent steps
+        steps = memo or context                                               # budget-independent
+        cx = steps(model, full, flow, s.window, s, f)
         cx = replace(cx, units=replace(cx.units, hole=cx.units.hole.clone()))  # this call's holes
-        spare = len(cx.omega) * (budget - s.window)                           # B_total − U·r (eq. 2)
-        floor = s.floor(cx, int(s.floor_frac * (budget - s.window)))          # B_floor
+        # B_total − U·r (eq. 2)
+        spare = len(cx.omega) * (budget - s.window)
+        floor = f.floor(cx, int(s.floor_frac * (budget - s.window)))          # B_floor
         plan = allocate(cx, spare - floor)                                    # B_alloc
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
@@ -815,25 +1013,30 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
 @dataclass
 class GraceKV(polykv.Method):
     """GraceKV as a method: observes the probes and value flow, compresses once, then appends
-    (no decode-time eviction). `model.generate(m, tok, prompt, GraceKV(128))`."""
+    (no decode-time eviction). `model.generate(m, tok, prompt, GraceKV(128))`.
+    formulas: the paper's if None (gracekv_variants.py builds the other rows); memo: see
+    `compress`."""
     budget: int
     settings: Optional[Settings] = None
+    formulas: Optional[Formulas] = None
+    memo: Optional[Callable] = None
 
     def __post_init__(self):
         if self.budget < 1:
             raise UsageError(f"budget must be >= 1, got {self.budget}")
         self.settings = self.settings or Settings()
+        self.formulas = self.formulas or Formulas()
 
     def needs(self, model) -> polykv.Needs:
-        return needs(self.settings, model.config.n_layers)
+        return needs(self.settings, model.config.n_layers, self.formulas.statistic)
 
     def compress(self, model, full: Cache, obs: polykv.Observation) -> Cache:
-        return compress(model, full, flow_of(obs, self.settings.window), self.budget, self.settings)
+        flow = flow_of(obs, self.settings.window)
+        return compress(model, full, flow, self.budget, self.settings,
+                        formulas=self.formulas, memo=self.memo)
 
     @torch.no_grad()
     def prefill(self, model, tokens) -> Cache:                   # T <= B: FullKV, no observation
-        return M.prefill(model, tokens) if tokens.shape[1] <= self.budget else super().prefill(model, tokens)
-
-
-def variant(name: str, budget: int) -> GraceKV:       # a row of VARIANTS, [settings] allowed
-    return GraceKV(budget, Settings(**overrides(name, Settings)))
+        if tokens.shape[1] <= self.budget:
+            return M.prefill(model, tokens)
+        return super().prefill(model, tokens)

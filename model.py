@@ -8,7 +8,8 @@ Notation (docs/design.md): B batch, T new tokens, S cached entries, H query head
 g = H/G, D head dim, L layers. A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j) with the causal mask,
 computed in fp32.
 
-The cache (section "the KV cache" below) holds per layer post-RoPE k, v (B, G, S, D), the original positions pos
+The cache (section "the KV cache" below) holds per layer post-RoPE k, v (B, G, S, D), the original
+positions pos
 (B, G, S) and an additive logit bias (B, G, S). Causality is decided by positions (key pos <=
 query pos), never by indices, so a cache with gaps (after eviction) keeps working: queries
 always use their true positions. Unlike the original StreamingLLM code, kept keys are never
@@ -60,7 +61,9 @@ class Config:
 
     def __post_init__(self):
         if self.n_heads % self.n_kv_heads:
-            raise UsageError(f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}")
+            raise UsageError(
+                f"n_heads={self.n_heads} is not a multiple of n_kv_heads={self.n_kv_heads}"
+            )
         if self.head_dim % 2:
             raise UsageError(f"head_dim={self.head_dim} must be even for RoPE")
 
@@ -84,7 +87,8 @@ def rope_inv_freq(cfg) -> torch.Tensor:
     Llama-3 (HF `_compute_llama3_parameters`, Meta's `apply_scaling`): with wavelength
     λ_i = 2π/θ_i, L0 = original_max_position_embeddings, low/high = L0/low_freq_factor,
     L0/high_freq_factor:  λ_i < high -> θ_i;  λ_i > low -> θ_i / factor;  otherwise
-    (1 − s)·θ_i/factor + s·θ_i with s = (L0/λ_i − low_freq_factor)/(high_freq_factor − low_freq_factor).
+    (1 − s)·θ_i/factor + s·θ_i with s = (L0/λ_i − low_freq_factor)/(high_freq_factor −
+    low_freq_factor).
     """
     D = cfg.head_dim
     inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float64) / D)  # (D/2,)
@@ -169,7 +173,8 @@ class LayerCache:
     pos: torch.Tensor    # (B, G, S) long, original positions, -1 = padding
     bias: torch.Tensor   # (B, G, S) additive logit: 0 token, log m prototype, -inf padding
     acc: Optional[torch.Tensor] = None   # (B, G, S) decode-rule state (H2O's Σ_i A), or None
-    head: Optional[torch.Tensor] = None  # (B, 1, S) long: a ragged layer's KV head per entry, or None
+    # (B, 1, S) long: a ragged layer's KV head per entry, or None
+    head: Optional[torch.Tensor] = None
     buffer: Optional[Buffer] = field(default=None, repr=False, compare=False)  # append room
 
     @property
@@ -197,9 +202,14 @@ class LayerCache:
                "bias": self.bias.new_zeros(B, G, T),
                "acc": None if self.acc is None else self.acc.new_zeros(B, G, T), "head": None}
         if self.head is not None:        # ragged: the G heads' new entries in one row, head-major
-            new = {"k": k.reshape(B, 1, G * T, D), "v": v.reshape(B, 1, G * T, D),
-                   "pos": new["pos"].reshape(B, 1, G * T), "bias": self.bias.new_zeros(B, 1, G * T),
-                   "acc": None, "head": torch.arange(G, device=k.device).repeat_interleave(T).expand(B, 1, G * T)}
+            new = {
+                "k": k.reshape(B, 1, G * T, D),
+                "v": v.reshape(B, 1, G * T, D),
+                "pos": new["pos"].reshape(B, 1, G * T),
+                "bias": self.bias.new_zeros(B, 1, G * T),
+                "acc": None,
+                "head": torch.arange(G, device=k.device).repeat_interleave(T).expand(B, 1, G * T),
+            }
         n = new["k"].shape[2]           # entries added: T, or G·T in a ragged layer
         b = self.buffer
         if not self._owns_tail(n):
@@ -227,8 +237,12 @@ class LayerCache:
         """A ragged layer from this dense one (batch 1): KV head g keeps its entries idx[g] (a
         1-D index tensor each, any lengths)."""
         assert self.k.shape[0] == 1 and self.head is None and self.acc is None
-        return LayerCache.pack([(self.k[0, g, i], self.v[0, g, i], self.pos[0, g, i], self.bias[0, g, i])
-                                for g, i in enumerate(idx)])
+        return LayerCache.pack(
+            [
+                (self.k[0, g, i], self.v[0, g, i], self.pos[0, g, i], self.bias[0, g, i])
+                for g, i in enumerate(idx)
+            ]
+        )
 
     @classmethod
     def pack(cls, heads: list) -> "LayerCache":
@@ -246,9 +260,13 @@ class LayerCache:
             return self
         rows = [self.head[0, 0] == g for g in range(G)]
         S = max(int(r.sum()) for r in rows)
-        pad = lambda x, r, val: torch.cat((x[0, 0, r], x.new_full((S - int(r.sum()), *x.shape[3:]), val)))[None]
-        k, v, pos, bias = (torch.stack([pad(x, r, val) for r in rows], 1)
-                           for x, val in ((self.k, 0), (self.v, 0), (self.pos, -1), (self.bias, -math.inf)))
+        pad = lambda x, r, val: torch.cat(
+            (x[0, 0, r], x.new_full((S - int(r.sum()), *x.shape[3:]), val))
+        )[None]
+        k, v, pos, bias = (
+            torch.stack([pad(x, r, val) for r in rows], 1)
+            for x, val in ((self.k, 0), (self.v, 0), (self.pos, -1), (self.bias, -math.inf))
+        )
         return LayerCache(k, v, pos, bias)
 
     def real_entries(self) -> torch.Tensor:
@@ -345,7 +363,8 @@ def attention_probs(q, k, bias, q_pos, k_pos) -> torch.Tensor:
 
 
 def visible_mask(q_pos, k_pos) -> torch.Tensor:
-    """(B, G, T, S) bool: key j visible to query i iff 0 <= k_pos_j <= q_pos_i (causal by position)."""
+    """(B, G, T, S) bool: key j visible to query i iff 0 <= k_pos_j <= q_pos_i (causal by
+    position)."""
     kp = k_pos[:, :, None, :]                                                 # (B, G, 1, S)
     return (kp <= q_pos[:, None, :, None]) & (kp >= 0)
 
@@ -409,8 +428,10 @@ def attention_sdpa(q, k, v, bias, q_pos, k_pos, facts: Optional[tuple] = None):
         # fused kernels stay available
         return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
     if shared:
-        k_pos, bias = k_pos[:, :1], bias[:, :1]       # one mask for all heads (B, 1, T, S): no H copies
-    mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))  # (B, G|1, T, S)
+        # one mask for all heads (B, 1, T, S): no H copies
+        k_pos, bias = k_pos[:, :1], bias[:, :1]
+    # (B, G|1, T, S)
+    mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))
     if mask.shape[1] > 1:
         mask = mask[:, :, None].expand(B, G, H // G, T, S).reshape(B, H, T, S)    # (B, H, T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=True)
@@ -422,8 +443,12 @@ def attention_ragged(q, lc: LayerCache, q_pos, G: int):
     head's logits span all S entries: G times the work of a dense layer, none of its padding."""
     B, H, T, D = q.shape
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    logits = q.to(acc) @ lc.k.to(acc).transpose(-1, -2) / math.sqrt(D) + lc.bias.to(acc)[:, :, None]  # (B, H, T, S)
-    own = lc.head[:, :, None, :] == (torch.arange(H, device=q.device) // (H // G))[None, :, None, None]
+    # (B, H, T, S)
+    logits = q.to(acc) @ lc.k.to(acc).transpose(-1, -2) / math.sqrt(D) + lc.bias.to(acc)[:, :, None]
+    own = (
+        lc.head[:, :, None, :]
+        == (torch.arange(H, device=q.device) // (H // G))[None, :, None, None]
+    )
     logits = logits.masked_fill(~(own & visible_mask(q_pos, lc.pos)), float("-inf"))
     return (torch.softmax(logits, dim=-1).nan_to_num(0.0).to(lc.v.dtype) @ lc.v).to(q.dtype)
 
@@ -601,14 +626,23 @@ def check_length(model: Llama, n: int):
 
 
 @torch.no_grad()
-def surprisal(model: Llama, h: torch.Tensor, tokens: torch.Tensor, chunk: int = 512) -> torch.Tensor:
+def surprisal(
+    model: Llama, h: torch.Tensor, tokens: torch.Tensor, chunk: int = 512
+) -> torch.Tensor:
     """−log p(token_t | tokens_<t) (B, T) from the final-norm states h (B, T, dim) of tokens
     (B, T); 0 at t = 0 (nothing predicts the first token). In chunks of positions: never a
     (T, V) logit table at once. fp32 (fp64 for an fp64 model)."""
-    out = torch.zeros(tokens.shape, dtype=torch.float64 if h.dtype == torch.float64 else torch.float32, device=h.device)
+    out = torch.zeros(
+        tokens.shape,
+        dtype=torch.float64 if h.dtype == torch.float64 else torch.float32,
+        device=h.device,
+    )
     for c0 in range(0, tokens.shape[1] - 1, chunk):
-        lp = torch.log_softmax(model.lm_head(h[:, c0:c0 + chunk]).to(out.dtype), -1)   # (B, c, V) predicts c0+1..
-        out[:, c0 + 1:c0 + 1 + lp.shape[1]] = -lp.gather(-1, tokens[:, c0 + 1:c0 + 1 + lp.shape[1], None])[..., 0]
+        # (B, c, V) predicts c0+1..
+        lp = torch.log_softmax(model.lm_head(h[:, c0:c0 + chunk]).to(out.dtype), -1)
+        out[:, c0 + 1 : c0 + 1 + lp.shape[1]] = -lp.gather(
+            -1, tokens[:, c0 + 1 : c0 + 1 + lp.shape[1], None]
+        )[..., 0]
     return out
 
 
@@ -624,7 +658,9 @@ def prefill(model: Llama, tokens: torch.Tensor, hooks: Optional[Hooks] = None) -
 
 
 @torch.no_grad()
-def decode(model: Llama, tokens: torch.Tensor, cache: Cache, decoder: Optional[Hooks] = None) -> torch.Tensor:
+def decode(
+    model: Llama, tokens: torch.Tensor, cache: Cache, decoder: Optional[Hooks] = None
+) -> torch.Tensor:
     """Teacher-force tokens (B, n) after the cache; returns logits (B, n, V).
 
     decoder: a method's decode behaviour (hooks whose cache_update evicts, e.g.
@@ -722,8 +758,14 @@ def generate(model: Llama, tok, prompt: str, method=None, max_new_tokens: int = 
 
 
 @torch.no_grad()
-def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=(), decoder: Optional[Hooks] = None,
-           done=None) -> list:
+def greedy(
+    model: Llama,
+    cache: Cache,
+    max_new_tokens: int,
+    eos_ids=(),
+    decoder: Optional[Hooks] = None,
+    done=None,
+) -> list:
     """Greedy continuation of a prefilled cache (batch 1): token ids, eos excluded. decoder: the
     method's decode-time eviction (None = append); done(ids) -> bool: the answer is complete
     (checked after each token, which is kept)."""

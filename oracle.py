@@ -5,7 +5,8 @@ against this one through a *reference file*: for one model, prompt, method and b
 
   tokens     (T,)        int64   the prompt
   pos        (L, G, S)   int64   kept positions per (layer, KV head), ascending; −1 = padding
-  bias       (L, G, S)   fp32    additive logit per entry: 0 token, log m GraceKV prototype, −inf pad
+  bias       (L, G, S)   fp32    additive logit per entry: 0 token, log m GraceKV prototype, −inf
+  pad
   scores     (L, G, T)   fp32    the rule's scores (higher = keep; +inf = protected), when the
                                  method is one rule
   out        (L, H, P+n, D) fp32 attention output of each layer over the compressed cache for
@@ -71,37 +72,47 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
     full, obs = P.observe(model, tokens, method.needs(model), spy)
     cache = method.compress(model, full, obs)
     G = model.config.n_kv_heads
-    cache = M.Cache([lc.dense(G) for lc in cache.layers], cache.next_pos, cache.last_logits)   # ragged: padded view
+    # ragged: padded view
+    cache = M.Cache([lc.dense(G) for lc in cache.layers], cache.next_pos, cache.last_logits)
     S = max(lc.size for lc in cache.layers)
     pad = lambda x, v: torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
     t = {"tokens": tokens[0].cpu(),
-         "pos": torch.stack([pad(lc.pos[0], -1) for lc in cache.layers]).cpu(),                # (L, G, S)
+         # (L, G, S)
+         "pos": torch.stack([pad(lc.pos[0], -1) for lc in cache.layers]).cpu(),
          "bias": torch.stack([pad(lc.bias[0].float(), -math.inf) for lc in cache.layers]).cpu()}
     if isinstance(method, P.Policy) and len({lp.prefill.rule for lp in method.layers}) == 1 \
             and method.layers[0].prefill.rule in P.RULES:
         rule = method.layers[0].prefill.rule
         sc = []
         for l in range(L):
-            s, prot = P.score(rule, P.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings, full.layers[l].v))
+            s, prot = P.score(
+                rule,
+                P.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings, full.layers[l].v),
+            )
             sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
-        t["scores"] = torch.stack(sc).float().cpu()                                           # (L, G, T)
+        # (L, G, T)
+        t["scores"] = torch.stack(sc).float().cpu()
     outs = {"out": [], "full_out": []}          # the probe queries over both caches
     for key, c in (("out", cache), ("full_out", full)):
         for l in range(L):
             q, qp = qs[l]
             lc = c.layers[l]
-            outs[key].append([M.attention(q, lc.k, lc.v, lc.bias, qp, lc.pos)[0].float()])     # (H, P, D)
+            # (H, P, D)
+            outs[key].append([M.attention(q, lc.k, lc.v, lc.bias, qp, lc.pos)[0].float()])
     # decode steps: FullKV's greedy tokens fed to both caches (append)
     dec = M.greedy(model, full.fork(), n_decode)
     for key, c in (("out", cache.fork()), ("full_out", full.fork())):
         seen = {}
-        hook = M.Hooks(post_kernel=lambda l, q, q_pos, lc, out: seen.setdefault(l, []).append(out[0].float()))
+        hook = M.Hooks(
+            post_kernel=lambda l, q, q_pos, lc, out: seen.setdefault(l, []).append(out[0].float())
+        )
         for tok_id in dec:
             model.step(torch.tensor([[tok_id]], device=tokens.device), c, hook)
         for l in range(L):
             outs[key][l] += seen.get(l, [])
     for key in outs:
-        t[key] = torch.stack([torch.cat(o, 1) for o in outs[key]]).cpu()                       # (L, H, P+n, D)
+        # (L, H, P+n, D)
+        t[key] = torch.stack([torch.cat(o, 1) for o in outs[key]]).cpu()
     header = {"format": FORMAT, "model": model_name, "method": name, "budget": budget,
               "settings": settings_json(getattr(method, "settings", None)),
               "P": P_, "n": len(dec), "decode_tokens": dec,
@@ -117,25 +128,39 @@ def settings_json(s) -> dict:
 
 
 def read_tokens(path, vocab_size: int) -> list:
-    """The prompt's token ids from a JSON file (a list of integers), checked against the vocabulary."""
+    """The prompt's token ids from a JSON file (a list of integers), checked against the
+    vocabulary."""
     try:
         ids = json.loads(Path(path).read_text())
     except OSError as e:
         raise UsageError(f"cannot read --tokens {str(path)!r}: {e.strerror}")
     except ValueError as e:
         raise UsageError(f"--tokens {str(path)!r} is not JSON: {e}")
-    if not isinstance(ids, list) or not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-        raise UsageError(f"--tokens {str(path)!r} must hold a non-empty JSON list of integer token ids")
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        raise UsageError(
+            f"--tokens {str(path)!r} must hold a non-empty JSON list of integer token ids"
+        )
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
-        raise UsageError(f"--tokens {str(path)!r}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+        raise UsageError(
+            f"--tokens {str(path)!r}: token id {bad[0]} is outside the vocabulary "
+            f"(0..{vocab_size - 1})"
+        )
     return ids
 
 
 def write(path, tensors: dict, header: dict):
     """One safetensors file; the header as JSON in its metadata under "oracle"."""
     from safetensors.torch import save_file
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"oracle": json.dumps(header)})
+    save_file(
+        {k: v.contiguous() for k, v in tensors.items()},
+        str(path),
+        metadata={"oracle": json.dumps(header)},
+    )
 
 
 def read(path) -> tuple:
@@ -148,7 +173,9 @@ def read(path) -> tuple:
         raise UsageError(f"cannot read {str(path)!r} as a reference file: {e}")
     missing = {"tokens", "pos", "bias", "out", "full_out"} - tensors.keys()
     if header.get("format") != FORMAT or missing:
-        raise UsageError(f"{str(path)!r} is not a {FORMAT} file (missing {sorted(missing) or 'header'})")
+        raise UsageError(
+            f"{str(path)!r} is not a {FORMAT} file (missing {sorted(missing) or 'header'})"
+        )
     return tensors, header
 
 
@@ -171,7 +198,10 @@ def compare(a_path, b_path, tol: float = 1e-3) -> dict:
     if not torch.equal(a["tokens"], b["tokens"]):
         raise UsageError("the two files are for different prompts")
     if a["pos"].shape[:2] != b["pos"].shape[:2]:
-        raise UsageError(f"different (layers, KV heads): {tuple(a['pos'].shape[:2])} vs {tuple(b['pos'].shape[:2])}")
+        raise UsageError(
+            f"different (layers, KV heads): {tuple(a['pos'].shape[:2])} vs "
+            f"{tuple(b['pos'].shape[:2])}"
+        )
     L, G = a["pos"].shape[:2]
     units = []
     for l in range(L):
@@ -186,7 +216,10 @@ def compare(a_path, b_path, tol: float = 1e-3) -> dict:
             if A != B and "scores" in a:
                 u["diverge"] = first_divergence(a["scores"][l, g], A, B, len(A))
             units.append(u)
-    err = [float((a["out"][l] - b["out"][l]).norm() / a["full_out"][l].norm().clamp(min=1e-30)) for l in range(L)]
+    err = [
+        float((a["out"][l] - b["out"][l]).norm() / a["full_out"][l].norm().clamp(min=1e-30))
+        for l in range(L)
+    ]
     bad = [u for u in units if not u["equal"] or u["bias_err"] > 1e-5]
     return {"a": ha, "b": hb, "units": units, "out_err": err, "bad": bad,
             "passed": not bad and max(err) <= tol, "tol": tol}
@@ -195,16 +228,21 @@ def compare(a_path, b_path, tol: float = 1e-3) -> dict:
 def summary(res: dict) -> str:
     """One screen: the verdict, the disagreeing units (first ten), the output error."""
     units, bad = res["units"], res["bad"]
-    lines = [f"{res['a']['method']} B={res['a']['budget']} vs {res['b']['method']} B={res['b']['budget']}: "
-             f"{len(units) - len(bad)}/{len(units)} (layer, KV head) units agree "
-             f"({100 * (len(units) - len(bad)) / len(units):.1f} %), mean Jaccard "
-             f"{sum(u['jaccard'] for u in units) / len(units):.4f}, attention-output error max "
-             f"{max(res['out_err']):.2e} (tol {res['tol']:.0e})"]
+    lines = [
+        f"{res['a']['method']} B={res['a']['budget']} vs {res['b']['method']} "
+        f"B={res['b']['budget']}: "
+        f"{len(units) - len(bad)}/{len(units)} (layer, KV head) units agree "
+        f"({100 * (len(units) - len(bad)) / len(units):.1f} %), mean Jaccard "
+        f"{sum(u['jaccard'] for u in units) / len(units):.4f}, attention-output error max "
+        f"{max(res['out_err']):.2e} (tol {res['tol']:.0e})"
+    ]
     for u in bad[:10]:
         d = u.get("diverge")
         where = f", first differs at rank {d[0]} (score margin {d[1]:+.3e})" if d else ""
-        lines.append(f"  layer {u['layer']} head {u['head']}: kept {u['kept'][0]} vs {u['kept'][1]}, "
-                     f"Jaccard {u['jaccard']:.4f}, bias err {u['bias_err']:.2e}{where}")
+        lines.append(
+            f"  layer {u['layer']} head {u['head']}: kept {u['kept'][0]} vs {u['kept'][1]}, "
+            f"Jaccard {u['jaccard']:.4f}, bias err {u['bias_err']:.2e}{where}"
+        )
     if len(bad) > 10:
         lines.append(f"  ... and {len(bad) - 10} more units")
     lines.append("PASS" if res["passed"] else "FAIL")
@@ -224,14 +262,21 @@ def main(argv=None):
     d.add_argument("--policy", default=None, help="PolyKV policy file (method polykv)")
     d.add_argument("--text", default=None, help="the prompt as text")
     d.add_argument("--tokens", default=None, help="a JSON file with the prompt's token ids")
-    d.add_argument("--length", type=int, default=2048, help="without --text/--tokens: a test passage of this many tokens")
+    d.add_argument(
+        "--length",
+        type=int,
+        default=2048,
+        help="without --text/--tokens: a test passage of this many tokens",
+    )
     d.add_argument("--probes", type=int, default=8)
     d.add_argument("--decode", type=int, default=4)
     d.add_argument("--out", required=True)
     c = sub.add_parser("compare", help="compare two reference files (the first is the reference)")
     c.add_argument("a")
     c.add_argument("b")
-    c.add_argument("--tol", type=float, default=1e-3, help="max attention-output error, relative to FullKV's")
+    c.add_argument(
+        "--tol", type=float, default=1e-3, help="max attention-output error, relative to FullKV's"
+    )
     args = ap.parse_args(argv)
     if args.cmd == "compare":
         if not args.tol >= 0:
@@ -239,8 +284,12 @@ def main(argv=None):
         res = compare(args.a, args.b, args.tol)
         print(summary(res))
         return 0 if res["passed"] else cli.FAILED
-    print(f"dump: model={args.model or M.default_model_dir()} method={args.method} budget={args.budget} "
-          f"conventions={args.conventions} out={args.out}", flush=True)
+    print(
+        f"dump: model={args.model or M.default_model_dir()} method={args.method} "
+        f"budget={args.budget} "
+        f"conventions={args.conventions} out={args.out}",
+        flush=True,
+    )
     if args.budget < 1:
         raise UsageError(f"budget must be >= 1, got {args.budget}")
     if Path(args.out).is_dir():
@@ -257,10 +306,13 @@ def main(argv=None):
     else:
         ids = TK.fidelity_text(tok, args.length, 0)[0]
     M.check_length(m, len(ids))
-    conv = calibrate.with_prompt(CONVENTIONS[args.conventions], tok)   # + KVzip's prompt in this vocabulary
+    # + KVzip's prompt in this vocabulary
+    conv = calibrate.with_prompt(CONVENTIONS[args.conventions], tok)
     method = make_method(args.method, args.budget, m.config.n_layers, conv, args.policy)
     name = Path(args.model).name if args.model else M.default_model_dir().name
-    t, h = dump(m, torch.tensor([ids]), method, args.method, args.budget, args.probes, args.decode, name)
+    t, h = dump(
+        m, torch.tensor([ids]), method, args.method, args.budget, args.probes, args.decode, name
+    )
     h["conventions"] = args.conventions
     write(args.out, t, h)
     print(f"wrote {args.out}: {len(ids)} tokens, {int((t['pos'] >= 0).sum())} kept entries")

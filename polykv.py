@@ -12,9 +12,11 @@ an eviction rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B, buil
     while decoding (`decoder`, a cache-update hook). `observe` runs the prefill for several
     methods at once, each layer's attention computed once in query chunks.
  2. The rules (the design space): one scoring function and one `@rule` record each, a shared
-    top-k `select`, and each rule's decode form. Adding a rule is one function and one line.
- 3. The policy that runs them (`Policy`: per layer a prefill and a decode `Phase`), PyramidKV's
-    layer schedule (`Pyramid`) and the head-wise allocations (`Headwise`: AdaKV, KVzip).
+    top-k `select`, and each rule's decode form. Adding a rule is one function and one line;
+    baselines.py adds the newer ones (K-norm, Expected Attention, KVzip) that way, with the
+    statistics they observe, and the head-wise allocations (AdaKV, KVzip's).
+ 3. The policy that runs them (`Policy`: per layer a prefill and a decode `Phase`) and
+    PyramidKV's layer schedule (`Pyramid`).
 
 Notation: B batch, T prompt tokens, S cached entries, H query heads, G KV heads, g = H/G,
 L layers, w observation window, A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j), causal, in fp32.
@@ -40,32 +42,54 @@ from support.files import write_atomic
 
 # ============================================================================= 1. the framework
 
-# Statistics a rule can read (per query head (B, H, T), A the causal attention of the prompt):
+# Statistics a rule can read, per query head (B, H, T), read off A, the causal attention of the
+# prompt during the prefill:
 #   colsum   Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
 #   window   Σ_{i in last w} A[h,i,j]   SnapKV's observation window
 #   last     A[h,T−1,j]                 TOVA's last query
-#   recon    max_u A_rec[h,u,j]         KVzip: most attention from its reconstruction pass
-#   queries  (μ (B, H, D), Σ (B, H, D, D))  Expected Attention's query statistics (`query_stats`)
+# A rule may read other statistics, registered by name where they are defined (`statistic`:
+# baselines.py adds Expected Attention's `queries` and KVzip's `recon`).
 # A method may add its own per-layer statistic (`Needs.extra`, e.g. GraceKV's value flow): an
 # object with lowest(T) (the first query row it reads), begin(q, lc, layer) -> state,
 # add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
 # and merge(other) -> the one statistic that serves both.
-STATS = ("colsum", "window", "last", "recon", "queries")
 ATTENTION_STATS = ("colsum", "window", "last")      # those read off the prompt's own attention
+
+
+@dataclass(frozen=True)
+class Statistic:
+    """A statistic that is not a sum over the prompt's attention, computed either per layer from
+    its queries during the prefill, per_layer(q, q_pos, model, needs) -> value, or by an extra
+    pass after it, after(model, full, tokens, needs, layers) -> {layer: value} (the pass's time
+    is reported in Observation.seconds under the statistic's name)."""
+    per_layer: Optional[Callable] = None
+    after: Optional[Callable] = None
+
+
+STATISTICS: dict = {}     # name -> Statistic, in registration order
+
+
+def statistic(name: str, per_layer: Optional[Callable] = None, after: Optional[Callable] = None):
+    """Register the statistic `name` (one of per_layer and after)."""
+    if (per_layer is None) == (after is None):
+        raise UsageError(f"statistic {name!r}: give exactly one of per_layer and after")
+    STATISTICS[name] = Statistic(per_layer, after)
 
 
 @dataclass(frozen=True)
 class Needs:
     """What a method must observe during the shared prefill."""
-    stats: tuple = ()     # per layer, a frozenset of STATS names
+    stats: tuple = ()     # per layer, a frozenset of statistic names
     window: int = 32      # w of the `window` statistic
     chunk: int = 256      # query rows per chunk of the observation pass (memory only)
     extra: tuple = ()     # ((name, statistic), ...): a method's own per-layer statistics
     n_sink: int = 4       # `queries`: the first n_sink queries left out; `recon`: sinks kept
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
-    repeat: tuple = ()    # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
+    # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
+    repeat: tuple = ()
     surprisal: bool = False  # −log p of each prompt token (model.surprisal; GraceKV's boundaries)
-    used = property(lambda self: frozenset().union(*self.stats))   # every statistic some layer reads
+    # every statistic some layer reads
+    used = property(lambda self: frozenset().union(*self.stats))
 
 
 # which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
@@ -81,12 +105,20 @@ def union(needs: list, n_layers: int) -> Needs:
         for p, stat in PARAMS.items():
             if stat in n.used:
                 if params.setdefault(p, getattr(n, p)) != getattr(n, p):
-                    raise UsageError(f"methods observe with different {p}: {params[p]} vs {getattr(n, p)}")
+                    raise UsageError(
+                        f"methods observe with different {p}: {params[p]} vs {getattr(n, p)}"
+                    )
         if any(n.stats):
             stats = [a | b for a, b in zip(stats, n.stats)]
         for name, st in n.extra:
             extra[name] = st if name not in extra else extra[name].merge(st)
-    return Needs(tuple(stats), chunk=chunk, extra=tuple(extra.items()), surprisal=any(n.surprisal for n in needs), **params)
+    return Needs(
+        tuple(stats),
+        chunk=chunk,
+        extra=tuple(extra.items()),
+        surprisal=any(n.surprisal for n in needs),
+        **params,
+    )
 
 
 @dataclass
@@ -164,8 +196,15 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
     # here, which would cost a host synchronisation per layer
     assert lc.size == T, "observe_layer reads a fresh prefill (key j at position j)"
     names = [k for k in names if k in ATTENTION_STATS]
-    lowest = 0 if "colsum" in names else \
-        min([T - 1] + [T - min(window, T)] * ("window" in names) + [st.lowest(T, layer) for _, st in extra])
+    lowest = (
+        0
+        if "colsum" in names
+        else min(
+            [T - 1]
+            + [T - min(window, T)] * ("window" in names)
+            + [st.lowest(T, layer) for _, st in extra]
+        )
+    )
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
     state = {name: st.begin(q, lc, layer) for name, st in extra}
@@ -186,81 +225,49 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
 @torch.no_grad()
 def observe(model, tokens, needs: Needs, spy=None):
     """One full-attention prefill of tokens (B, T) recording what `needs` asks for, each layer's
-    attention computed once (then KVzip's pass if a layer reads `recon`): (FullKV cache,
+    attention computed once (then the extra passes of the statistics read, e.g. KVzip's): (FullKV
+    cache,
     Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out)."""
     L, per_layer = model.config.n_layers, needs.stats or (frozenset(),) * model.config.n_layers
     obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
 
+    unknown = set().union(*per_layer) - set(ATTENTION_STATS) - set(STATISTICS)
+    if unknown:
+        raise UsageError(f"no statistic named {sorted(unknown)[0]!r} is registered "
+                         f"(import the module that defines it, e.g. baselines)")
+    during = [n for n, st in STATISTICS.items() if st.per_layer is not None]
+
     def post_kernel(layer, q, q_pos, lc, out):
-        obs.stats[layer], ex = observe_layer(q, q_pos, lc, per_layer[layer], needs.window, needs.chunk, needs.extra, layer)
-        if "queries" in per_layer[layer]:
-            obs.stats[layer]["queries"] = query_stats(q, q_pos, model.inv_freq, needs.n_sink, needs.future)
+        names = per_layer[layer]
+        obs.stats[layer], ex = observe_layer(q, q_pos, lc, names, needs.window, needs.chunk,
+                                             needs.extra, layer)
+        for name in during:
+            if name in names:
+                obs.stats[layer][name] = STATISTICS[name].per_layer(q, q_pos, model, needs)
         for name, value in ex.items():
             obs.extra[name][layer] = value
         if spy is not None:
             spy(layer, q, q_pos, lc, out)
 
-    final = (lambda h: setattr(obs, "surprisal", M.surprisal(model, h, tokens))) if needs.surprisal else None
-    hooks = Hooks(post_kernel=post_kernel, final=final) if any(per_layer) or needs.extra or spy or final else None
+    final = (
+        (lambda h: setattr(obs, "surprisal", M.surprisal(model, h, tokens)))
+        if needs.surprisal
+        else None
+    )
+    hooks = (
+        Hooks(post_kernel=post_kernel, final=final)
+        if any(per_layer) or needs.extra or spy or final
+        else None
+    )
     full = M.prefill(model, tokens, hooks)
-    layers = [l for l in range(L) if "recon" in per_layer[l]]
-    if layers:
-        t0 = time.perf_counter()
-        for l, s in reconstruct(model, full, tokens, needs.repeat, layers, needs.n_sink).items():
-            obs.stats[l]["recon"] = s
-        obs.seconds["recon"] = time.perf_counter() - t0
+    for name, st in STATISTICS.items():          # extra passes after the prefill
+        layers = [l for l in range(L) if name in per_layer[l]]
+        if st.after is not None and layers:
+            t0 = time.perf_counter()
+            for l, value in st.after(model, full, tokens, needs, layers).items():
+                obs.stats[l][name] = value
+            obs.seconds[name] = time.perf_counter() - t0
     return full, obs
-
-
-def query_stats(q, q_pos, inv_freq, n_sink: int, future: int):
-    """Expected Attention's query statistics (kvpress `ExpectedAttentionPress.get_query_statistics`
-    and `apply_avg_rope`): the queries q (B, H, T, D) un-rotated to pre-RoPE (RoPE⁻¹ at their
-    positions), those at positions >= n_sink kept; μ = mean, Σ = Σ_i (q_i − μ)(q_i − μ)ᵀ / n;
-    then R̄ = mean_{p = T..T+future−1} R_p, the RoPE matrix averaged over the next positions,
-    gives μ' = R̄μ, Σ' = R̄ΣR̄ᵀ. Returns (μ' (B, H, D), Σ' (B, H, D, D)) in fp32 (fp64)."""
-    B, H, T, D = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qp = M.apply_rope(q.to(acc), -q_pos[:, None, :], inv_freq)[:, :, n_sink:]    # (B, H, n, D)
-    mu = qp.mean(2)                                                            # (B, H, D)
-    c = qp - mu[:, :, None]
-    cov = c.transpose(-1, -2) @ c / qp.shape[2]                               # (B, H, D, D)
-    eye = torch.eye(D, dtype=acc, device=q.device)
-    ahead = torch.arange(T, T + future, device=q.device)[:, None]             # (future, 1)
-    Rt = M.apply_rope(eye.expand(future, D, D), ahead, inv_freq).mean(0)      # (D, D) = R̄ᵀ (rows e_i -> R̄ e_i)
-    return mu @ Rt, Rt.T @ cov @ Rt
-
-
-@torch.no_grad()
-def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink: int = 4,
-                chunk: int = 2048, overlap: int = 8) -> dict:
-    """KVzip's scores (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
-    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt fed again after a fork of
-    the FullKV cache (left as it was) behind a repeat instruction (later chunks: + the `overlap`
-    tokens before) and the suffix. Per query u of that pass, A_rec[h,u,·] = softmax over the
-    sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec."""
-    if not repeat:
-        raise UsageError("kvzip needs the reconstruction prompt: RuleSettings(repeat=tasks.reconstruction_prompt(tok))")
-    B, T = tokens.shape
-    first, later, suffix = (torch.tensor([r], dtype=torch.long, device=tokens.device).expand(B, -1) for r in repeat)
-    acc = torch.float64 if model.dtype == torch.float64 else torch.float32
-    out = {l: torch.zeros(B, model.config.n_heads, T, dtype=acc, device=tokens.device) for l in layers}
-    for a in range(0, T, chunk):
-        b, sink = min(T, a + chunk), min(n_sink, a)
-        lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
-        ids = torch.cat((lead, suffix, tokens[:, a:b]), 1)                       # (B, n)
-
-        def spy(layer, q, q_pos, lc, o):
-            if layer not in out:
-                return
-            n = q.shape[2]                                  # keys: sinks, chunk, the pass's own
-            k = torch.cat((lc.k[:, :, :sink], lc.k[:, :, a:b], lc.k[:, :, -n:]), 2)
-            for c0 in range(0, n, 256):                     # query chunks: no (H, n, n) at once
-                c1 = min(n, c0 + 256)
-                p = causal_probs(q[:, :, c0:c1], k[:, :, :k.shape[2] - n + c1], sink + b - a + c0)
-                out[layer][..., a:b] = torch.maximum(out[layer][..., a:b], p[..., sink:sink + b - a].amax(2))
-
-        model.step(ids, full.fork(), Hooks(post_kernel=spy), last_only=True)
-    return out
 
 
 def observe_for(model, tokens, methods: list):
@@ -270,7 +277,7 @@ def observe_for(model, tokens, methods: list):
 
 # ============================================================================= 2. the rules
 # A rule is one small scoring function under its formula and citation, registered with its needs
-# (which prefill statistics it reads, STATS) and its decode form (what it does while decoding).
+# (which prefill statistics it reads) and its decode form (what it does while decoding).
 # Everything else reads the registry when it is used: `Policy`, `evaluate.py --methods`,
 # calibration's pool (`pool()`), the report's baselines, the rule tests; README "Add your own rule".
 # A scoring function takes a `ScoreInput` and returns (scores (B, G, T) or broadcastable to it,
@@ -284,19 +291,22 @@ def observe_for(model, tokens, methods: list):
 
 @dataclass(frozen=True)
 class RuleSettings:
-    window: int = 32      # w: SnapKV paper's LongBench configs (KVCache-Factory uses 8); H2O's recent r = w
+    # w: SnapKV paper's LongBench configs (KVCache-Factory uses 8); H2O's recent r = w
+    window: int = 32
     kernel: int = 7       # SnapKV max-pool kernel (SnapKV paper, KVCache-Factory)
     n_sink: int = 4       # StreamingLLM attention sinks (Xiao et al. 2023, §3.2)
     beta: float = 20.0    # PyramidKV's ratio max/min of selected tokens (KVCache-Factory default)
     seed: int = 0         # the `random` floor's seed
     chunk: int = 256      # queries per chunk when reducing H2O's column sums
-    pool: str = "max"     # SnapKV's pooling over j: "max" (SnapKV, KVCache-Factory) or "avg" (kvpress)
+    # SnapKV's pooling over j: "max" (SnapKV, KVCache-Factory) or "avg" (kvpress)
+    pool: str = "max"
     tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
     future: int = 512     # Expected Attention's future positions (kvpress default)
     repeat: tuple = ()    # KVzip's reconstruction prompt, ids (support.tasks.reconstruction_prompt)
 
     def __post_init__(self):
-        object.__setattr__(self, "repeat", tuple(tuple(r) for r in self.repeat))   # JSON lists back to tuples
+        # JSON lists back to tuples
+        object.__setattr__(self, "repeat", tuple(tuple(r) for r in self.repeat))
         for name in ("window", "kernel", "chunk"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
@@ -307,7 +317,8 @@ class RuleSettings:
 
 
 # NVIDIA kvpress 0.5.5's conventions where they differ from the papers' code that the defaults
-# follow (docs/design.md has the table): SnapKV's window, kernel and average pooling; TOVA's last token.
+# follow (docs/design.md has the table): SnapKV's window, kernel and average pooling; TOVA's last
+# token.
 KVPRESS = RuleSettings(window=64, kernel=5, n_sink=4, pool="avg", tova_keep_last=True)
 
 
@@ -329,7 +340,7 @@ class ScoreInput:
 class Rule:
     name: str
     score: Callable       # ScoreInput -> (scores (B, G, T), protected (T,))
-    needs: frozenset      # prefill statistics it reads (STATS)
+    needs: frozenset      # prefill statistics it reads (by name)
     decode: str           # its own decode form, a key of DECODE ("append": grow)
     pool: bool            # a candidate of PolyKV's calibration pool (not the random floor)
 
@@ -407,42 +418,6 @@ def snapkv(x: ScoreInput):
         win = pool(win, s.kernel, stride=1, padding=s.kernel // 2)            # (B, H, T−w)
     sc = torch.cat((group_mean(win, G), win.new_zeros(B, G, T - win.shape[2])), 2)
     return sc, recent(T, s.window, x.k.device)
-
-
-@rule("knorm")
-def knorm(x: ScoreInput):
-    """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
-    Compression"; kvpress `KnormPress`): keys with a *low* L2 norm draw more attention, so
-    s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the norm
-    of the post-RoPE key is the norm of the key."""
-    B, G, T = x.shape
-    return -x.k.double().norm(dim=-1), none_protected(T, x.k.device)
-
-
-@rule("expected", needs={"queries"})
-def expected(x: ScoreInput):
-    """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by
-    Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`):
-    future q ~ N(μ', Σ') (`queries`), E[exp(q·k/√D)] = exp(μ'·k/√D + ½kᵀΣ'k/D); per query head
-    a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖; sinks kept."""
-    B, G, T = x.shape
-    n = x.settings.n_sink
-    mu, cov = x.stats["queries"]                                              # (B, H, D), (B, H, D, D)
-    H, D = mu.shape[1:]
-    k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
-    logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
-    sc = group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
-    return F.pad(sc, (n, 0)), sinks(T, n, x.k.device)
-
-
-@rule("kvzip", needs={"recon"})
-def kvzip(x: ScoreInput):
-    """KVzip (Kim et al. 2025; kvpress `KVzipPress`): s_j = max over the group of `recon`, the
-    most attention j receives while the model repeats the prompt; sinks kept; query-agnostic.
-    This per-head form is PolyKV's pool rule; KVzip's own allocation is global (`ALLOCATIONS`)."""
-    B, G, T = x.shape
-    r = x.stats["recon"]
-    return r.view(B, G, r.shape[1] // G, T).amax(2), sinks(T, x.settings.n_sink, x.k.device)
 
 
 @rule("random", pool=False)
@@ -590,22 +565,34 @@ class Policy(Method):
             for l, lp in enumerate(self.layers):
                 rule, b = getattr(lp, phase)
                 if rule not in names:
-                    raise UsageError(f"layer {l}: unknown {phase} rule {rule!r}; choose from {', '.join(names)}")
+                    raise UsageError(
+                        f"layer {l}: unknown {phase} rule {rule!r}; choose from {', '.join(names)}"
+                    )
                 if not isinstance(b, int) or b < 0:
-                    raise UsageError(f"layer {l}: {phase} budget must be a non-negative integer, got {b!r}")
+                    raise UsageError(
+                        f"layer {l}: {phase} budget must be a non-negative integer, got {b!r}"
+                    )
             total = sum(getattr(lp, phase).budget for lp in self.layers
                         if getattr(lp, phase).rule not in ("full", "append"))
             cap = L * (self.budget + (self.allowance if phase == "decode" else 0))
             if total > cap:
-                raise UsageError(f"{phase} budgets sum to {total} > L·B = {L}·{self.budget}"
-                                 + (f" + L·{self.allowance} generated" if phase == "decode" and self.allowance else ""))
+                raise UsageError(
+                    f"{phase} budgets sum to {total} > L·B = {L}·{self.budget}"
+                    + (
+                        f" + L·{self.allowance} generated"
+                        if phase == "decode" and self.allowance
+                        else ""
+                    )
+                )
 
     @classmethod
     def uniform(cls, rule: str, budget: int, n_layers: int, decode: Optional[str] = None,
                 settings: RuleSettings = RuleSettings()) -> "Policy":
         """Every layer: (rule, budget) at prefill and the rule's own decode form."""
         if rule == "pyramidkv":
-            raise UsageError("pyramidkv is SnapKV scoring with a layer schedule: use Policy.pyramid")
+            raise UsageError(
+                "pyramidkv is SnapKV scoring with a layer schedule: use Policy.pyramid"
+            )
         if rule not in prefill_rules():
             raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(prefill_rules())}")
         dec = decode or ("append" if rule == "full" else RULES[rule].decode)
@@ -623,7 +610,9 @@ class Policy(Method):
         """Equal memory (docs/protocol.md): every decode budget raised by n generated tokens, so a
         layer may grow by the generated tokens as an appending method does, and its decode rule
         evicts only beyond that. The paper's protocol is n = 0."""
-        layers = [LayerPolicy(lp.prefill, (lp.decode.rule, lp.decode.budget + n)) for lp in self.layers]
+        layers = [
+            LayerPolicy(lp.prefill, (lp.decode.rule, lp.decode.budget + n)) for lp in self.layers
+        ]
         return Policy(layers, self.budget, self.settings, dict(self.meta), self.allowance + n)
 
     def rescaled(self, budget: int) -> "Policy":
@@ -634,21 +623,34 @@ class Policy(Method):
             old = [getattr(lp, phase).budget for lp in self.layers]
             tot = sum(old) or 1
             scaled[phase] = largest_remainder([b * L * budget / tot for b in old], L * budget)
-        layers = [LayerPolicy((lp.prefill.rule, scaled["prefill"][l]), (lp.decode.rule, scaled["decode"][l]))
-                  for l, lp in enumerate(self.layers)]
+        layers = [
+            LayerPolicy(
+                (lp.prefill.rule, scaled["prefill"][l]), (lp.decode.rule, scaled["decode"][l])
+            )
+            for l, lp in enumerate(self.layers)
+        ]
         return Policy(layers, budget, self.settings, dict(self.meta))
 
     # -- the method interface ----------------------------------------------------------------
     def needs(self, model) -> Needs:
         """Per layer, what its prefill rule scores with and what its decode rule starts from."""
         if len(self.layers) != model.config.n_layers:
-            raise UsageError(f"policy has {len(self.layers)} layers, the model has {model.config.n_layers}")
+            raise UsageError(
+                f"policy has {len(self.layers)} layers, the model has {model.config.n_layers}"
+            )
         per_layer = tuple(
             (RULES[lp.prefill.rule].needs if lp.prefill.rule in RULES else frozenset())
-            | ({DECODE[lp.decode.rule].acc_from} if DECODE[lp.decode.rule].acc_from else frozenset())
-            for lp in self.layers)
+            | (
+                {DECODE[lp.decode.rule].acc_from}
+                if DECODE[lp.decode.rule].acc_from
+                else frozenset()
+            )
+            for lp in self.layers
+        )
         s = self.settings
-        return Needs(per_layer, s.window, s.chunk, n_sink=s.n_sink, future=s.future, repeat=s.repeat)
+        return Needs(
+            per_layer, s.window, s.chunk, n_sink=s.n_sink, future=s.future, repeat=s.repeat
+        )
 
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
         """A new cache: layer l keeps min(b_l, T) entries per KV head chosen by its rule.
@@ -665,7 +667,8 @@ class Policy(Method):
                 sc, prot = score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
                 idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)    # (B, G, b)
                 kept = lc.gather(idx)
-            start = DECODE[lp.decode.rule].acc_from      # a decode rule's running sums, kept entries
+            # a decode rule's running sums, kept entries
+            start = DECODE[lp.decode.rule].acc_from
             if start:
                 st = obs.stats[l][start]
                 kept = replace(kept, acc=group_mean(st, G).gather(2, idx.to(st.device)))
@@ -700,7 +703,8 @@ class Policy(Method):
             return lc
         last = None
         if d.uses_last:
-            last = attention_probs(q[:, :, -1:], lc.k, lc.bias, q_pos[:, -1:], lc.pos)[:, :, 0]  # (B, H, S)
+            # (B, H, S)
+            last = attention_probs(q[:, :, -1:], lc.k, lc.bias, q_pos[:, -1:], lc.pos)[:, :, 0]
         if d.acc_from:
             lc = replace(lc, acc=lc.acc + group_mean(last, lc.k.shape[1]))
         if lc.size <= b:
@@ -724,15 +728,22 @@ class Policy(Method):
         """Read a policy file; n_layers (the model's) is checked when given."""
         try:
             d = json.loads(Path(path).read_text())
-            layers = [LayerPolicy((x["prefill"]["rule"], x["prefill"]["budget"]),
-                                  (x["decode"]["rule"], x["decode"]["budget"])) for x in d["layers"]]
+            layers = [
+                LayerPolicy(
+                    (x["prefill"]["rule"], x["prefill"]["budget"]),
+                    (x["decode"]["rule"], x["decode"]["budget"]),
+                )
+                for x in d["layers"]
+            ]
             budget, settings = d["budget"], RuleSettings(**d.get("settings", {}))
         except OSError as e:
             raise UsageError(f"cannot read policy {str(path)!r}: {e.strerror}")
         except (ValueError, KeyError, TypeError) as e:
             raise UsageError(f"malformed policy {str(path)!r}: {type(e).__name__} {e}")
         if n_layers is not None and len(layers) != n_layers:
-            raise UsageError(f"policy {str(path)!r} has {len(layers)} layers, the model has {n_layers}")
+            raise UsageError(
+                f"policy {str(path)!r} has {len(layers)} layers, the model has {n_layers}"
+            )
         meta = {k: v for k, v in d.items() if k not in ("format", "budget", "settings", "layers")}
         return cls(layers, budget, settings, meta)
 
@@ -745,69 +756,15 @@ class Pyramid(Method):
     settings: RuleSettings = field(default_factory=RuleSettings)
 
     def needs(self, model) -> Needs:
-        return Policy.uniform("snapkv", self.budget, model.config.n_layers, "append", self.settings).needs(model)
+        return Policy.uniform(
+            "snapkv", self.budget, model.config.n_layers, "append", self.settings
+        ).needs(model)
 
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
         T = full.layers[0].k.shape[2]
-        return Policy.pyramid(self.budget, model.config.n_layers, T, self.settings).compress(model, full, obs)
-
-
-# Allocations over one rule's scores that give KV heads different budgets: name -> (rule,
-# scope, safeguard α). `adakv-RULE` is AdaKV over any registered rule.
-ALLOCATIONS = {"adakv": ("snapkv", "layer", 0.2),     # Feng et al. 2024; kvpress AdaKVPress
-               "kvzip": ("kvzip", "model", 0.0)}      # Kim et al. 2025; kvpress KVzipPress(layerwise=False)
-
-
-def allocation(name: str) -> Optional[tuple]:
-    """(rule, scope, α) of an allocation name, None if `name` is not one."""
-    if name.startswith("adakv-") and name[6:] in RULES:
-        return (name[6:],) + ALLOCATIONS["adakv"][1:]
-    return ALLOCATIONS.get(name)
-
-
-@dataclass
-class Headwise(Method):
-    """Head-wise budgets over a rule's scores, stored ragged (model.LayerCache.ragged: each KV
-    head holds exactly its entries, so allocated slots = entries). scope "layer" (AdaKV: Feng et
-    al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation"; kvpress
-    `AdaKVPress`): a layer keeps its G·B best (head, entry) pairs, each head first guaranteed its
-    top n_safe = max(1, ⌊α·B⌋) (kvpress `alpha_safeguard` = 0.2). scope "model" (KVzip, kvpress
-    `layerwise=False`): the L·G·B best pairs of all layers and heads, no safeguard. Protected
-    entries first; ties to the later (layer, head, position). Decoding appends (as kvpress)."""
-    rule: str
-    budget: int
-    scope: str = "layer"
-    alpha: float = 0.2
-    settings: RuleSettings = field(default_factory=RuleSettings)
-
-    def needs(self, model) -> Needs:
-        return Policy.uniform(self.rule, self.budget, model.config.n_layers, "append", self.settings).needs(model)
-
-    def compress(self, model, full: Cache, obs: Observation) -> Cache:
-        B, G, T, _ = full.layers[0].k.shape
-        if self.budget >= T:
-            return Cache(list(full.layers), full.next_pos, full.last_logits)
-        dev = full.layers[0].k.device        # the selection runs where the scores are
-        scores = []
-        for l, lc in enumerate(full.layers):
-            sc, prot = score(self.rule, ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
-            sc = sc[0].double().to(dev).masked_fill(prot.to(dev), float("inf"))     # (G, T)
-            if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
-                n_safe = max(1, int(self.budget * self.alpha))
-                top = select(sc[None], n_safe, none_protected(T, dev))[0]           # (G, n_safe)
-                sc = sc.scatter(1, top, float("inf"))
-            scores.append(sc)
-        kept = []                                      # the best pairs of each group: (L', G, T) bool
-        for sc in ([torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]):
-            none = none_protected(sc.numel(), dev)
-            idx = select(sc.reshape(1, 1, -1), sc.shape[0] * G * self.budget, none)
-            kept.append(none.index_fill(0, idx[0, 0], True).view(sc.shape))
-        kept = torch.cat(kept)                                                         # (L, G, T)
-        # every head's kept positions from one nonzero and one read of the counts (two host
-        # synchronisations in all, not one per (layer, head))
-        at = kept.nonzero()[:, 2].split(kept.sum(-1).flatten().tolist())   # [(S_lg,)] * L·G
-        return Cache([lc.ragged(list(at[l * G:(l + 1) * G])) for l, lc in enumerate(full.layers)],
-                     full.next_pos, full.last_logits)
+        return Policy.pyramid(self.budget, model.config.n_layers, T, self.settings).compress(
+            model, full, obs
+        )
 
 
 @torch.no_grad()

@@ -1,1 +1,2 @@
-"""Support code: checkpoint loading, the embedded model, task generators, LongBench, metrics, the report, files."""
+"""Support code: checkpoint loading, the embedded model, task generators, LongBench, metrics, the
+report, files."""

@@ -81,7 +81,9 @@ def config_fields(d: dict) -> dict:
     Qwen3ForCausalLM); anything else is a UsageError."""
     arch = (d.get("architectures") or ["?"])[0]
     if arch not in ("LlamaForCausalLM", "Qwen3ForCausalLM"):
-        raise UsageError(f"unsupported architecture {arch!r}: only LlamaForCausalLM and Qwen3ForCausalLM")
+        raise UsageError(
+            f"unsupported architecture {arch!r}: only LlamaForCausalLM and Qwen3ForCausalLM"
+        )
     eos = d.get("eos_token_id")
     eos = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     scaling = d.get("rope_scaling")
@@ -150,14 +152,20 @@ class Tokenizer:
         except ImportError:
             raise UsageError("this checkpoint's chat template needs jinja2 (pip install jinja2)")
         template = self.config["chat_template"]
-        if isinstance(template, list):                   # [{"name": "default", "template": ...}, ...]
+        # [{"name": "default", "template": ...}, ...]
+        if isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}["default"]
-        special = lambda k: (self.config.get(k) or {}).get("content") if isinstance(self.config.get(k), dict) \
+        special = lambda k: (
+            (self.config.get(k) or {}).get("content")
+            if isinstance(self.config.get(k), dict)
             else self.config.get(k)
+        )
 
         def raise_exception(message):
             raise UsageError(f"chat template: {message}")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+        )
         env.globals["raise_exception"] = raise_exception
         return env.from_string(template).render(
             messages=[{"role": "user", "content": user}], add_generation_prompt=True,

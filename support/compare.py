@@ -30,7 +30,9 @@ def values(rows: list) -> dict:
 
         def put(task, metric, v):
             if turn:
-                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(prompt, []).append(v)
+                later.setdefault((r["method"], r["budget"], task, metric), {}).setdefault(
+                    prompt, []
+                ).append(v)
             else:
                 acc.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
         if r["task"] == "fidelity":
@@ -49,10 +51,13 @@ def values(rows: list) -> dict:
                 put("memory", m, r[m])
         if "compress_s" in r:
             put("time", "compress_s", r["compress_s"])
-    for (m, b, task, metric), per in later.items():          # one value per prompt: its later questions' mean
+    # one value per prompt: its later questions' mean
+    for (m, b, task, metric), per in later.items():
         first = acc.get((m, b, task, metric), {})
         acc[(m, b, task + " later", metric)] = {p: sum(v) / len(v) for p, v in per.items()}
-        acc[(m, b, task + " spread", metric)] = {p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first}
+        acc[(m, b, task + " spread", metric)] = {
+            p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first
+        }
     return acc
 
 
@@ -136,9 +141,14 @@ def versus_table(rows: list, ref: str, names, budgets, ruler_tasks, length=None)
     labels = list(dict.fromkeys(d["label"] for d in got))
     cols = [m for m in names if any(m == x[0] for d in got for x in d["diffs"])]
     num = lambda x: f"{x:+.2f}".replace("-", "−")
-    cell = lambda v: "" if v is None else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (" tie" if v[1] <= 0 <= v[2] else "")
+    cell = lambda v: (
+        ""
+        if v is None
+        else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (" tie" if v[1] <= 0 <= v[2] else "")
+    )
     lines = ["| measure | budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
-    for d in sorted(got, key=lambda d: labels.index(d["label"])):       # measure by measure (stable)
+    # measure by measure (stable)
+    for d in sorted(got, key=lambda d: labels.index(d["label"])):
         by = {m: (x, lo, hi) for m, x, lo, hi in d["diffs"]}
         lines.append(f"| {d['label']} | {budget_label(d['budget'], length)} | "
                      + " | ".join(cell(by.get(m)) for m in cols) + " |")
@@ -166,8 +176,17 @@ def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
                     continue
                 lo, hi = interval((X[m] - X[top])[idx].mean(1))
                 (ties if lo <= 0 <= hi else behind).append((m, X[m].mean() - X[top].mean(), lo, hi))
-            out.append({"budget": b, "label": label, "n": len(prompts), "top": top, "mean": X[top].mean(),
-                        "ties": ties, "behind": behind})
+            out.append(
+                {
+                    "budget": b,
+                    "label": label,
+                    "n": len(prompts),
+                    "top": top,
+                    "mean": X[top].mean(),
+                    "ties": ties,
+                    "behind": behind,
+                }
+            )
     return out
 
 
@@ -189,7 +208,12 @@ def leaders_table(rows: list, names, budgets, ruler_tasks, length=None, skip=("f
     lines = ["| measure | " + " | ".join(head) + " |", "|---" * (len(budgets) + 1) + "|"]
     for label in dict.fromkeys(d["label"] for d in got):
         by = {d["budget"]: d for d in got if d["label"] == label}
-        cell = lambda d: "" if d is None else f"{d['top']} {d['mean']:.3g}" + (
-            "; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone") + f" (n = {d['n']})"
+        cell = lambda d: (
+            ""
+            if d is None
+            else f"{d['top']} {d['mean']:.3g}"
+            + ("; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone")
+            + f" (n = {d['n']})"
+        )
         lines.append(f"| {label} | " + " | ".join(cell(by.get(b)) for b in budgets) + " |")
     return "\n".join(lines)

@@ -1,86 +1,15 @@
-"""GraceKV's machinery apart from the paper's formulas: the budget flow's records (a tree's
-`Node`, a node's `Split`, the whole `Plan` and its text `picture`), a look at the heap's best
-entries (gracekv.allocate) and the batching of node evaluations (gracekv.node_stats)."""
+"""GraceKV's speed helpers, none of them a formula: a look at the heap's best entries
+(gracekv.allocate's prefetch), the batching of node evaluations (gracekv.node_stats), the
+per-unit products of the probes with node keys, and a one-entry memo (`Last`) that lets the
+budgets of one prompt share its budget-independent steps (gracekv.compress)."""
 from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass, field
-from typing import NamedTuple, Optional
+
+
 
 import torch
-
-
-@dataclass
-class Node:
-    """A node of a unit's tree (node_stats' fields): span [a, b) minus the unit's holes when made,
-    n tokens, R, D, D(drop), and its prototype: key (D,), value (D,), position, log m."""
-    __slots__ = ("unit", "a", "b", "n", "R", "D", "Ddrop", "key", "val", "pos", "logm")
-    unit: int
-    a: int
-    b: int
-    n: int
-    R: float
-    D: float
-    Ddrop: float
-    key: torch.Tensor
-    val: torch.Tensor
-    pos: int
-    logm: float
-
-
-NODE_FIELDS = Node.__slots__
-
-
-def add_nodes(nodes: list, st: dict, rows) -> list:
-    """Append rows of node_stats' output st to the node table; returns their node ids."""
-    first = len(nodes)
-    cols = [st[f][rows] for f in NODE_FIELDS]
-    cols = [x.tolist() if x.dim() == 1 else x.unbind(0) for x in cols]
-    nodes.extend(Node(*vals) for vals in zip(*cols))
-    return list(range(first, len(nodes)))
-
-
-class Split(NamedTuple):
-    """A node's best split: its gain, its cost in entries and the children it makes."""
-    gain: float
-    cost: int
-    children: list
-
-
-@dataclass
-class Plan:
-    """The forest as far as it was explored, and the greedy's trace: roots have add_gain;
-    evaluated nodes have split (gain, cost, children); steps: (kind, node, gain, cost)."""
-    B_alloc: int
-    nodes: list = field(default_factory=list)     # [Node], node i at index i
-    add_gain: dict = field(default_factory=dict)
-    add_rank: dict = field(default_factory=dict)  # root -> its heap rank (add_gain, or the lookahead's)
-    split: dict = field(default_factory=dict)     # node -> Split
-    steps: list = field(default_factory=list)
-    frontier: set = field(default_factory=set)    # nodes in the cache at the end
-    floor: Optional[torch.Tensor] = None          # (U, Tc) the singleton floor's exact tokens
-    slots: list = field(default_factory=list)     # [(a, b)] the context's slots
-    dropped: list = field(default_factory=list)   # (len(steps) then, kind, node): popped, not affordable
-
-
-def picture(plan: Plan, unit: int, Tc: int) -> list:
-    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
-    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
-    recent window (exact) is not drawn."""
-    nd, row = plan.nodes, ["."] * Tc
-    mine = sorted((nd[i].a, i) for i in plan.frontier if nd[i].unit == unit)
-    leaves = {nd[i].a for _, i in mine if nd[i].n == 1}
-    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
-    for k, (_, i) in enumerate([e for e in mine if nd[e[1]].n > 1]):
-        for t in range(nd[i].a, nd[i].b):
-            if not plan.floor[unit, t] and t not in leaves:
-                row[t] = letters[k % len(letters)]
-    for t in leaves:
-        row[t] = "x"
-    for t in plan.floor[unit].nonzero()[:, 0].tolist():
-        row[t] = "F"
-    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
 
 
 def peek(heap: list, k: int) -> list:
@@ -102,7 +31,9 @@ def by_length(fn, xs: tuple, length, cap: int) -> dict:
     lens, parts, i = length[order].clamp(min=1).tolist(), [], 0
     while i < len(lens):
         j = i + 1
-        while j < len(lens) and (j + 1 - i) * lens[j] <= cap and (j - i < 64 or lens[j] < 2 * lens[i]):
+        while (
+            j < len(lens) and (j + 1 - i) * lens[j] <= cap and (j - i < 64 or lens[j] < 2 * lens[i])
+        ):
             j += 1
         parts.append(fn(*(x[order[i:j]] for x in xs), lens[j - 1]))
         i = j

@@ -3,7 +3,7 @@
 Stages: the plain FullKV prefill; the shared observation for every default method but KVzip
 (`polykv.observe`: column sums, window sums, last row, Expected Attention's query statistics,
 GraceKV's probes and value flow, the surprisal); KVzip's reconstruction pass
-(`polykv.reconstruct`); each default method's compression of the FullKV cache.
+(`baselines.reconstruct`); each default method's compression of the FullKV cache.
 
 The formula (`stages`) adds the bytes of the tensors a stage holds at its worst moment, read off
 the code: what it keeps (the KV cache with its append room, the per-layer statistics, GraceKV's
@@ -75,7 +75,7 @@ class Knobs:
     window: int = 32           # SnapKV's w; GraceKV's r
     future: int = 512          # Expected Attention's future positions
     repeat: tuple = (8, 13, 5)  # KVzip's instruction, later instruction, suffix (tokens)
-    recon_chunk: int = 2048    # polykv.reconstruct's chunk of the prompt
+    recon_chunk: int = 2048    # baselines.reconstruct's chunk of the prompt
     recon_rows: int = 256      # reconstruct's query rows per chunk
     surprisal_chunk: int = 512  # model.surprisal's chunk of positions
     evidence: int = 32         # GraceKV: evidence probes per layer, every `stride`-th query
@@ -84,7 +84,7 @@ class Knobs:
     seeds: int = 64            # GraceKV: seeds per hop
 
 
-# what each default method observes: polykv.STATS, GraceKV's value flow and the surprisal
+# what each default method observes: its statistics, GraceKV's value flow and the surprisal
 # (PolyKV: a policy may hold any pool rule, so every pool statistic)
 OBSERVES = {"streaming": (), "knorm": (), "random": (), "h2o": ("colsum",), "tova": ("last",),
             "snapkv": ("window",), "pyramidkv": ("window",), "adakv": ("window",),
@@ -163,7 +163,7 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
 
 
 def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs()) -> dict:
-    """{term: bytes} KVzip's reconstruction pass adds to the observation (polykv.reconstruct):
+    """{term: bytes} KVzip's reconstruction pass adds to the observation (baselines.reconstruct):
     per chunk of the prompt a fork of the FullKV cache is fed n new tokens; where the buffer's
     room is short of n, every layer's cache is copied into a bigger one (LayerCache.append), all
     held until the step ends; then the largest of the step's block working set, its mask
@@ -317,6 +317,7 @@ def stage(fn, *args, **kwargs):
 def mixed_policy(L: int, budget: int, settings):
     """PolyKV's shape without a calibration: layer l runs pool rule l mod |pool| with its own
     decode form (a calibrated policy holds one rule per layer, any of them)."""
+    import baselines  # noqa: F401  (its rules join the pool)
     import polykv as P
     pool = P.pool()
     rules = [pool[l % len(pool)] for l in range(L)]
@@ -328,6 +329,7 @@ def measure(T: int, budget: int, threads: int) -> dict:
     """One length in this process (see the module docstring): {stage: measured bytes}, the
     seconds of each stage and GraceKV's node count."""
     import torch
+    import baselines as BL
     import calibrate
     import evaluate as E
     import gracekv as GK
@@ -353,12 +355,11 @@ def measure(T: int, budget: int, threads: int) -> dict:
         _, got["prefill"], secs["prefill"] = stage(M.prefill, m, x)
         (full, obs), got["observation"], secs["observation"] = stage(P.observe, m, x, no_recon)
         rec, got["kvzip pass"], secs["kvzip pass"] = stage(
-            P.reconstruct, m, full, x, needs.repeat, recon_layers, needs.n_sink)
+            BL.reconstruct, m, full, x, needs.repeat, recon_layers, needs.n_sink)
         for l, sc in rec.items():
             obs.stats[l]["recon"] = sc
         del rec
         for name, meth in made.items():
-            GK.CONTEXTS.clear()
             if name == "gracekv":      # its plan too, for the node count
                 flow = GK.flow_of(obs, meth.settings.window)
                 (out, plan), got[name], secs[name] = stage(
@@ -368,7 +369,6 @@ def measure(T: int, budget: int, threads: int) -> dict:
             else:
                 out, got[name], secs[name] = stage(meth.compress, m, full, obs)
             del out
-        GK.CONTEXTS.clear()
     return {"T": T, "budget": budget, "bytes": got, "seconds": secs, "gracekv_nodes": nodes,
             "repeat": [len(r) for r in settings.repeat]}
 

@@ -61,7 +61,8 @@ def _lcs(x: list, y: list) -> list:
 
 
 def rouge_score(prediction: str, ground_truth: str, **_) -> float:
-    """ROUGE-L F1 as LongBench gets it from `rouge` 1.0.1 (`Rouge().get_scores(...)['rouge-l']['f']`):
+    """ROUGE-L F1 as LongBench gets it from `rouge` 1.0.1
+    (`Rouge().get_scores(...)['rouge-l']['f']`):
     summary level. Texts split into sentences at '.', words at single spaces; with word *sets*
     (exclusive=True): m = |words(ref)|, n = |words(hyp)|, L = |∪_{r,h} LCS(r, h)|,
     R = L/m, P = L/n, F = 2PR/(P + R + 1e-8). An empty side makes `rouge` raise; LongBench then
@@ -119,11 +120,23 @@ def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
     return round(100 * difflib.SequenceMatcher(None, line, ground_truth).ratio()) / 100
 
 
-METRICS = {f.__name__: f for f in (string_match_all, string_match_part, qa_f1_score, rouge_score,
-                                   classification_score, retrieval_score, count_score, code_sim_score)}
+METRICS = {
+    f.__name__: f
+    for f in (
+        string_match_all,
+        string_match_part,
+        qa_f1_score,
+        rouge_score,
+        classification_score,
+        retrieval_score,
+        count_score,
+        code_sim_score,
+    )
+}
 
 
-FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")   # LongBench eval.py: scored on the first line
+# LongBench eval.py: scored on the first line
+FIRST_LINE_TASKS = ("trec", "triviaqa", "samsum", "lsht")
 
 
 def score(sample, pred: str) -> float:
@@ -134,5 +147,6 @@ def score(sample, pred: str) -> float:
         return fn(re.sub(r"[\x00-\x1f]", "\n", pred.strip()).strip(), sample.answers)
     if sample.task in FIRST_LINE_TASKS:
         pred = pred.lstrip("\n").split("\n")[0]
-    return 100.0 * max((fn(pred, gt, all_classes=sample.all_classes or ()) for gt in sample.answers),
-                       default=0.0)
+    return 100.0 * max(
+        (fn(pred, gt, all_classes=sample.all_classes or ()) for gt in sample.answers), default=0.0
+    )

@@ -13,12 +13,15 @@ def table(policy) -> str:
     rows = [head]
     for l, lp in enumerate(policy.layers):
         worst = lambda ph: max(d[l] for d in sig[ph]["dppl"].values())
-        rows.append(f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>5} {lp.decode.rule:>9} {lp.decode.budget:>5} "
-                    f"{sig['entropy'][l]:>7.3f} | "
-                    + " ".join(f"{sig['prefill']['cosine'][r][l]:>9.5f}" for r in pool)
-                    + f" {worst('prefill'):>8.4f} | "
-                    + " ".join(f"{sig['decode']['cosine'][r][l]:>9.5f}" for r in dpool)
-                    + f" {worst('decode'):>8.4f}")
+        rows.append(
+            f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>5} {lp.decode.rule:>9} "
+            f"{lp.decode.budget:>5} "
+            f"{sig['entropy'][l]:>7.3f} | "
+            + " ".join(f"{sig['prefill']['cosine'][r][l]:>9.5f}" for r in pool)
+            + f" {worst('prefill'):>8.4f} | "
+            + " ".join(f"{sig['decode']['cosine'][r][l]:>9.5f}" for r in dpool)
+            + f" {worst('decode'):>8.4f}"
+        )
     return "\n".join(rows)
 
 
@@ -39,10 +42,14 @@ def procedure(policy) -> str:
 
 
 def placement(r: dict) -> str:
-    """One line of calibrate.placement_control's result: the route's KL, its rank, the shuffled spread."""
+    """One line of calibrate.placement_control's result: the route's KL, its rank, the shuffled
+    spread."""
     kls = r["shuffled_kl"]
-    return (f"fidelity KL {r['route_kl']:.4f}, rank {r['rank']} of {len(kls) + 1} (shuffled: min {min(kls):.4f}, "
-            f"median {sorted(kls)[len(kls) // 2]:.4f}, max {max(kls):.4f})")
+    return (
+        f"fidelity KL {r['route_kl']:.4f}, rank {r['rank']} of {len(kls) + 1} (shuffled: min "
+        f"{min(kls):.4f}, "
+        f"median {sorted(kls)[len(kls) // 2]:.4f}, max {max(kls):.4f})"
+    )
 
 
 def plot(policies: list, path, pool=()) -> str:
@@ -66,8 +73,12 @@ def plot(policies: list, path, pool=()) -> str:
         ax.axhline(policy.budget, color="grey", ls="--", lw=1, label=f"B = {policy.budget}")
         for r in dict.fromkeys(lp.prefill.rule for lp in policy.layers):
             ax.bar(0, 0, color=colour[r], label=r)
-        ax.set(xlabel="layer", ylabel="prefill budget (entries per KV head)",
-               title=f"PolyKV ({procedure(policy)}): {policy.meta.get('model', '')}, B = {policy.budget}")
+        ax.set(
+            xlabel="layer",
+            ylabel="prefill budget (entries per KV head)",
+            title=f"PolyKV ({procedure(policy)}): {policy.meta.get('model', '')}, B = "
+                  f"{policy.budget}",
+        )
         ax.legend(ncol=3, fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -81,8 +92,13 @@ def table_joint(policy) -> str:
     last = sig["sweeps"][-1]["scores"]
     pool = list(last[0])                     # the pool the sweeps scored
     head = f"{'layer':>5} {'rule':>9} {'budget':>6} | " + " ".join(f"{r:>9}" for r in pool)
-    rows = [head] + [f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>6} | "
-                     + " ".join(f"{last[l][r]:>9.5f}" for r in pool) for l, lp in enumerate(policy.layers)]
+    rows = [head] + [
+        f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>6} | "
+        + " ".join(f"{last[l][r]:>9.5f}" for r in pool)
+        for l, lp in enumerate(policy.layers)
+    ]
     changed = [len(s["changed"]) for s in sig["sweeps"]]
-    rows.append(f"start: uniform {sig['start']}; layers changed per sweep {changed}; {sig['seconds']} s")
+    rows.append(
+        f"start: uniform {sig['start']}; layers changed per sweep {changed}; {sig['seconds']} s"
+    )
     return "\n".join(rows)

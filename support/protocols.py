@@ -37,7 +37,8 @@ def split(tok, ids: list, sample) -> tuple:
     if not sample.question:
         raise UsageError(f"{sample.task} #{sample.index}: the sample has no question to split at")
     special = not sample.templated
-    n_prefix = len(commonprefix([ids, tok.encode(sample.prefix, add_special_tokens=special)]))   # BOS included
+    # BOS included
+    n_prefix = len(commonprefix([ids, tok.encode(sample.prefix, add_special_tokens=special)]))
     q = tok.encode(sample.question, add_special_tokens=False)
     n_question = len(commonprefix([ids[::-1], q[::-1]]))
     if n_question < 1 or n_prefix + n_question >= len(ids):
@@ -45,7 +46,7 @@ def split(tok, ids: list, sample) -> tuple:
     return n_prefix, n_question
 
 
-# ----------------------------------------------------------------------------- the context's share of a prefill
+# ----------------------------------------------------------------- the context's share of a prefill
 
 def cut(full, obs, needs, a: int, b: int):
     """The `context` protocol's input to a method: the FullKV cache of keys a..b−1 alone (their
@@ -56,18 +57,26 @@ def cut(full, obs, needs, a: int, b: int):
     sees the question (its queries' attention to the context) but keeps and is charged for
     context tokens only. Rules apply their positional protections (sinks, last window) to the
     cut's own ends [choice: the method runs unchanged on the context, as a kvpress press does]."""
-    Cache, LayerCache = type(full), type(full.layers[0])              # model.Cache, model.LayerCache
+    # model.Cache, model.LayerCache
+    Cache, LayerCache = type(full), type(full.layers[0])
     T = full.layers[0].size
-    layers = [LayerCache(lc.k[:, :, a:b], lc.v[:, :, a:b], lc.pos[:, :, a:b], lc.bias[:, :, a:b]) for lc in full.layers]
+    layers = [
+        LayerCache(lc.k[:, :, a:b], lc.v[:, :, a:b], lc.pos[:, :, a:b], lc.bias[:, :, a:b])
+        for lc in full.layers
+    ]
     sliced = lambda x: x[..., a:b] if hasattr(x, "shape") and x.shape[-1] == T else x
     stats = [{n: sliced(x) for n, x in d.items()} for d in obs.stats]
     extra = {}
     for name, st in needs.extra:
         if not hasattr(st, "cut"):
-            raise UsageError(f"statistic {name!r} cannot be cut to the context (it has no cut method)")
+            raise UsageError(
+                f"statistic {name!r} cannot be cut to the context (it has no cut method)"
+            )
         extra[name] = [st.cut(v, a, b) for v in obs.extra[name]]
     surprisal = None if obs.surprisal is None else obs.surprisal[:, a:b]
-    return Cache(layers, full.next_pos, full.last_logits), type(obs)(stats, extra, dict(obs.seconds), surprisal)
+    return Cache(layers, full.next_pos, full.last_logits), type(obs)(
+        stats, extra, dict(obs.seconds), surprisal
+    )
 
 
 def join(full, comp, a: int, b: int, question: bool = True):
@@ -83,14 +92,30 @@ def join(full, comp, a: int, b: int, question: bool = True):
     for f, c in zip(full.layers, comp.layers):
         if c.head is None:                                                    # dense (B, G, S)
             around = lambda x, fx: torch.cat((fx[:, :, :a], x, fx[:, :, b:end]), 2)
-            acc = None if c.acc is None else around(c.acc, torch.zeros_like(f.bias, dtype=c.acc.dtype))
-            layers.append(LayerCache(around(c.k, f.k), around(c.v, f.v), around(c.pos, f.pos), around(c.bias, f.bias), acc))
+            acc = (
+                None
+                if c.acc is None
+                else around(c.acc, torch.zeros_like(f.bias, dtype=c.acc.dtype))
+            )
+            layers.append(
+                LayerCache(
+                    around(c.k, f.k),
+                    around(c.v, f.v),
+                    around(c.pos, f.pos),
+                    around(c.bias, f.bias),
+                    acc,
+                )
+            )
         else:                                                                 # ragged, batch 1
             heads = []
             for g in range(f.k.shape[1]):
                 mine = c.head[0, 0] == g
-                heads.append(tuple(torch.cat((fx[0, g, :a], cx[0, 0, mine], fx[0, g, b:end]))
-                                   for fx, cx in ((f.k, c.k), (f.v, c.v), (f.pos, c.pos), (f.bias, c.bias))))
+                heads.append(
+                    tuple(
+                        torch.cat((fx[0, g, :a], cx[0, 0, mine], fx[0, g, b:end]))
+                        for fx, cx in ((f.k, c.k), (f.v, c.v), (f.pos, c.pos), (f.bias, c.bias))
+                    )
+                )
             layers.append(LayerCache.pack(heads))
     return Cache(layers, full.next_pos, full.last_logits) if question else Cache(layers, b, None)
 
@@ -105,11 +130,19 @@ def turns(tok, ids: list, sample, at) -> list:
     out = []
     head = sample.prompt[:len(sample.prompt) - len(sample.question)]
     for ask in sample.asks:
-        s = replace(sample, prompt=head + ask.question, question=ask.question, answers=list(ask.answers),
-                    gold=ask.gold, asks=())
+        s = replace(
+            sample,
+            prompt=head + ask.question,
+            question=ask.question,
+            answers=list(ask.answers),
+            gold=ask.gold,
+            asks=(),
+        )
         own = tok.encode(s.prompt)
         n_q = split(tok, own, s)[1]
         if own[:len(own) - n_q] != ids[:len(ids) - at[1]]:
-            raise UsageError(f"{sample.task} #{sample.index}: a later question changes the context's tokens")
+            raise UsageError(
+                f"{sample.task} #{sample.index}: a later question changes the context's tokens"
+            )
         out.append((own[len(own) - n_q:], s, tok.encode(s.prompt + s.gold)[len(own):]))
     return out

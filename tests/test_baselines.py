@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import baselines as BL
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny as tiny_llama
@@ -39,7 +40,9 @@ def test_expected_scores_equal_naive_gaussian_estimate(T, seed):
     m, x = tiny(seed), tokens(T, seed)
     cfg, n = m.config, SET.n_sink
     H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    full, obs = P.observe(m, x, P.Policy.uniform("expected", 4, cfg.n_layers, settings=SET).needs(m))
+    full, obs = P.observe(
+        m, x, P.Policy.uniform("expected", 4, cfg.n_layers, settings=SET).needs(m)
+    )
     Pm = torch.zeros(D, D, dtype=torch.float64)
     Pm[D // 2:, :D // 2], Pm[:D // 2, D // 2:] = torch.eye(D // 2), -torch.eye(D // 2)
     R = torch.zeros(D, D, dtype=torch.float64)
@@ -49,7 +52,8 @@ def test_expected_scores_equal_naive_gaussian_estimate(T, seed):
     with torch.no_grad():
         inputs = layer_inputs(m, x)
     for l, xin in inputs.items():
-        q = m.layers[l].self_attn.q_proj(xin)[0].detach().view(T, H, D)[n:]            # (T−n, H, D) pre-RoPE
+        # (T−n, H, D) pre-RoPE
+        q = m.layers[l].self_attn.q_proj(xin)[0].detach().view(T, H, D)[n:]
         lc = full.layers[l]
         want = torch.zeros(G, T, dtype=torch.float64)
         for h in range(H):
@@ -57,7 +61,10 @@ def test_expected_scores_equal_naive_gaussian_estimate(T, seed):
             cov = sum(torch.outer(r - mu, r - mu) for r in q[:, h]) / q.shape[0]
             mu, cov = R @ mu, R @ cov @ R.T
             k = lc.k[0, h // (H // G), n:]
-            logit = torch.tensor([float(kj @ mu) / math.sqrt(D) + float(kj @ cov @ kj) / (2 * D) for kj in k], dtype=torch.float64)
+            logit = torch.tensor(
+                [float(kj @ mu) / math.sqrt(D) + float(kj @ cov @ kj) / (2 * D) for kj in k],
+                dtype=torch.float64,
+            )
             want[h // (H // G), n:] += torch.softmax(logit, 0) / (H // G)
         want[:, n:] *= lc.v[0, :, n:].norm(dim=-1)
         sc, prot = P.score("expected", P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v))
@@ -75,7 +82,7 @@ def test_kvzip_scores_equal_naive_reconstruction(T, chunk, seed):
     H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     full = M.prefill(m, x)
     before = [lc.k.clone() for lc in full.layers]
-    got = P.reconstruct(m, full, x, REPEAT, list(range(cfg.n_layers)), n_sink, chunk, overlap)
+    got = BL.reconstruct(m, full, x, REPEAT, list(range(cfg.n_layers)), n_sink, chunk, overlap)
     want = torch.zeros(cfg.n_layers, H, T, dtype=torch.float64)
     for a in range(0, T, chunk):
         b, sink = min(T, a + chunk), min(n_sink, a)
@@ -89,7 +96,9 @@ def test_kvzip_scores_equal_naive_reconstruction(T, chunk, seed):
             for h in range(H):
                 for u in range(T, T + len(ids)):
                     cols = keys + list(range(T, u + 1))
-                    logit = torch.stack([q[h, u] @ k[h // (H // G), j] for j in cols]) / math.sqrt(D)
+                    logit = torch.stack([q[h, u] @ k[h // (H // G), j] for j in cols]) / math.sqrt(
+                        D
+                    )
                     p = torch.softmax(logit, 0)
                     for i, j in enumerate(cols[:len(keys)]):
                         if j >= a:
@@ -113,12 +122,19 @@ def naive_headwise(scores, prot, budget, scope, alpha):
                 s = [math.inf if j in top else s[j] for j in range(T)]
             for j in range(T):
                 key[l, g, j] = s[j]
-    groups = [[k for k in key]] if scope == "model" else [[k for k in key if k[0] == l] for l in range(L)]
+    groups = (
+        [[k for k in key]]
+        if scope == "model"
+        else [[k for k in key if k[0] == l] for l in range(L)]
+    )
     kept = set()
     for grp in groups:
         order = sorted(grp, key=lambda k: (-key[k], -k[0], -k[1], -k[2]))
         kept |= set(order[: len(grp) // T * budget])
-    return [[sorted(j for (ll, gg, j) in kept if ll == l and gg == g) for g in range(G)] for l in range(L)]
+    return [
+        [sorted(j for (ll, gg, j) in kept if ll == l and gg == g) for g in range(G)]
+        for l in range(L)
+    ]
 
 
 @pytest.mark.parametrize("name", ["adakv", "kvzip", "adakv-knorm", "adakv-expected"])
@@ -127,14 +143,20 @@ def test_headwise_keeps_naive_allocation_exact_entries_ragged(name, budget, T, s
     """Kept sets equal the naive allocation over the rule's own scores; entries = L·G·B exactly
     and allocated slots = entries (ragged: no padding); protected entries kept in every head."""
     m, x = tiny(seed), tokens(T, seed)
-    rule, scope, alpha = P.allocation(name)
-    meth = P.Headwise(rule, budget, scope, alpha, SET)
+    rule, scope, alpha = BL.allocation(name)
+    meth = BL.Headwise(rule, budget, scope, alpha, SET)
     full, obs = P.observe(m, x, meth.needs(m))
     cache = meth.compress(m, full, obs)
     cfg = m.config
-    sc = [P.score(rule, P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v)) for l, lc in enumerate(full.layers)]
+    sc = [
+        P.score(rule, P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v))
+        for l, lc in enumerate(full.layers)
+    ]
     want = naive_headwise([s[0][0] for s in sc], [s[1].tolist() for s in sc], budget, scope, alpha)
-    got = [[lc.pos[0, 0][lc.head[0, 0] == g].tolist() for g in range(cfg.n_kv_heads)] for lc in cache.layers]
+    got = [
+        [lc.pos[0, 0][lc.head[0, 0] == g].tolist() for g in range(cfg.n_kv_heads)]
+        for lc in cache.layers
+    ]
     assert got == want
     assert cache.entries() == cache.allocated() == cfg.n_layers * cfg.n_kv_heads * budget
     if scope == "layer":
@@ -144,13 +166,15 @@ def test_headwise_keeps_naive_allocation_exact_entries_ragged(name, budget, T, s
             assert set(prot.nonzero()[:, 0].tolist()) <= set(got[l][g]) or int(prot.sum()) > budget
 
 
-@given(budget=st.integers(3, 10), T=st.integers(12, 24), n=st.integers(1, 5), seed=st.integers(0, 3))
+@given(
+    budget=st.integers(3, 10), T=st.integers(12, 24), n=st.integers(1, 5), seed=st.integers(0, 3)
+)
 def test_ragged_layer_attends_as_its_padded_dense_form(budget, T, n, seed):
     """Teacher-forcing n tokens after a ragged AdaKV cache gives the logits of the same kept
     sets stored densely (each head padded to the longest, padding masked), and the dense form
     holds exactly each head's gathered FullKV entries; appends keep the ragged layout."""
     m, x = tiny(seed), tokens(T, seed)
-    meth = P.Headwise("snapkv", budget, "layer", 0.2, SET)
+    meth = BL.Headwise("snapkv", budget, "layer", 0.2, SET)
     full, obs = P.observe(m, x, meth.needs(m))
     ragged = meth.compress(m, full, obs)
     G = m.config.n_kv_heads
@@ -171,7 +195,7 @@ def test_ragged_layer_attends_as_its_padded_dense_form(budget, T, n, seed):
 @pytest.mark.parametrize("name", ["adakv", "kvzip"])
 def test_headwise_budget_at_least_T_is_fullkv(name):
     m, x = tiny(1), tokens(12, 1)
-    rule, scope, alpha = P.allocation(name)
-    cache = P.Headwise(rule, 12, scope, alpha, SET).prefill(m, x)
+    rule, scope, alpha = BL.allocation(name)
+    cache = BL.Headwise(rule, 12, scope, alpha, SET).prefill(m, x)
     full = M.prefill(m, x)
     assert all(torch.equal(a.k, b.k) and a.head is None for a, b in zip(cache.layers, full.layers))

@@ -37,6 +37,7 @@ import math
 import pytest
 import torch
 
+import baselines as BL
 import evaluate as E
 import gracekv as GK
 import model as M
@@ -167,7 +168,7 @@ def test_headwise_kept_sets_agree_up_to_near_ties(name, seed):
         full, obs = observed(m, x, method)
         runs[m.dtype] = full, obs, headwise_kept(method.compress(m, full, obs))
     (f32, o32, k32), (f16, o16, k16) = runs[torch.float32], runs[torch.bfloat16]
-    rule, scope, alpha = P.allocation(name)
+    rule, scope, alpha = BL.allocation(name)
     s32 = torch.stack([scores(f32, o32, rule, l) for l in range(L)])        # (L, G, T)
     s16 = torch.stack([scores(f16, o16, rule, l) for l in range(L)])
     n_safe = max(1, int(BUDGET * alpha)) if alpha > 0 else 0
@@ -191,10 +192,8 @@ def test_gracekv_inputs_within_bf16_rounding(seed):
     unit's largest) and head weights ω (relative to the largest) within τ, held in fp32."""
     x, cx = tokens(seed), {}
     for m in pair(seed):
-        GK.CONTEXTS.clear()
         full, flow = GK.observe(m, x[:, :T], GSET)
         cx[m.dtype] = GK.context(m, full, flow, GSET.window, GSET)
-    GK.CONTEXTS.clear()
     a, b = cx[torch.float32], cx[torch.bfloat16]
     assert b.units.R.dtype == b.units.lg.dtype == b.omega.dtype == torch.float32
     Tc = T - GSET.window
@@ -232,14 +231,12 @@ def test_kl_to_fullkv_in_bf16_within_its_fp32_value(seed):
     for m in pair(seed):
         for name in METHODS:
             method = make(name)
-            GK.CONTEXTS.clear()
             full, obs = observed(m, x, method)
             ref, _ = M.teacher_force(m, full.fork(), x[:, T:], None, stepwise=True)
             cache = method.compress(m, full, obs)
             lp, _ = M.teacher_force(m, cache, x[:, T:], method.decoder, stepwise=True)
             assert lp.dtype == ref.dtype == torch.float32
             kl[name, m.dtype] = E.compare(ref, lp, x[:, T:])[0]
-    GK.CONTEXTS.clear()
     for name in METHODS:
         k32, k16 = kl[name, torch.float32], kl[name, torch.bfloat16]
         assert k32 > 0 and abs(k16 - k32) <= KL_ALLOWANCE * k32, (name, k32, k16)

@@ -26,8 +26,13 @@ tiny = tiny_llama
 
 def texts(seed, n=2, lo=1, hi=50):
     g = torch.Generator().manual_seed(seed)
-    return [(torch.randint(lo, hi, (T,), generator=g).tolist(), torch.randint(lo, hi, (N,), generator=g).tolist())
-            for _ in range(n)]
+    return [
+        (
+            torch.randint(lo, hi, (T,), generator=g).tolist(),
+            torch.randint(lo, hi, (N,), generator=g).tolist(),
+        )
+        for _ in range(n)
+    ]
 
 
 # ----------------------------------------------------------------------------- allocation
@@ -66,7 +71,9 @@ def test_allocate_invariants_and_formula(s, budget, f_min, f_cap):
     assert all(abs(x - w) < 1 + 1e-6 for x, w in zip(b, want))
     if max(want) < cap:   # no cap binds: exactly b_min + (L·B − L·b_min)·s_l/Σs up to rounding
         ss = s if sum(s) > 0 else [1.0] * L
-        assert all(abs(x - (b_min + (total - L * b_min) * v / sum(ss))) < 1 + 1e-6 for x, v in zip(b, ss))
+        assert all(
+            abs(x - (b_min + (total - L * b_min) * v / sum(ss))) < 1 + 1e-6 for x, v in zip(b, ss)
+        )
 
 
 @given(st.integers(1, 40), st.integers(1, 600), st.floats(1e-3, 10))
@@ -88,8 +95,11 @@ def test_rescaling_preserves_proportions(s, budget, budget2):
 
 
 def test_allocate_errors():
-    for args, msg in (([1.0, -1.0], 20, 2, 20), "non-negative"), (([1.0, 2.0], 50, 2, 20), "cannot give 2"), \
-                     (([1.0, 2.0], 20, 12, 20), "cannot give 2"):
+    for args, msg in (
+        (([1.0, -1.0], 20, 2, 20), "non-negative"),
+        (([1.0, 2.0], 50, 2, 20), "cannot give 2"),
+        (([1.0, 2.0], 20, 12, 20), "cannot give 2"),
+    ):
         with pytest.raises(UsageError, match=msg):
             C.allocate(*args)
 
@@ -142,7 +152,10 @@ def test_signals_equal_naive_probes(seed):
     for l in range(L):
         assert sig["entropy"][l] == pytest.approx(sum(r[1][l] for r in refs) / len(refs), rel=1e-9)
     chosen = C.best_rules(sig["prefill"], P.pool(), "cosine")
-    assert chosen == [max(P.pool(), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool().index(r))) for l in range(L)]
+    assert chosen == [
+        max(P.pool(), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool().index(r)))
+        for l in range(L)
+    ]
     for r in P.pool():                          # uniform baselines: a fresh prefill + model.decode
         nll = 0.0
         for p, c in pairs:
@@ -155,13 +168,21 @@ def test_signals_equal_naive_probes(seed):
     for phase, pool in (("prefill", P.pool()), ("decode", P.decode_pool())):
         for l in range(L):
             for r in pool:
-                pre, dec = ((r, B), ("append", B)) if phase == "prefill" else ((chosen[l], B), (r, B))
+                pre, dec = (
+                    ((r, B), ("append", B)) if phase == "prefill" else ((chosen[l], B), (r, B))
+                )
                 cos, nll = [], 0.0
                 for (p, c), (outs, _, _) in zip(pairs, refs):
                     o, nl = naive_probe(m, p, c, l, pre, dec)
-                    cos.append(F.cosine_similarity(o.transpose(1, 2).flatten(2), outs[l].transpose(1, 2).flatten(2), dim=-1).mean())
+                    cos.append(
+                        F.cosine_similarity(
+                            o.transpose(1, 2).flatten(2), outs[l].transpose(1, 2).flatten(2), dim=-1
+                        ).mean()
+                    )
                     nll += nl
-                assert sig[phase]["cosine"][r][l] == pytest.approx(float(sum(cos) / len(cos)), abs=1e-9)
+                assert sig[phase]["cosine"][r][l] == pytest.approx(
+                    float(sum(cos) / len(cos)), abs=1e-9
+                )
                 assert sig[phase]["dppl"][r][l] == pytest.approx(ppl(nll) - ppl_full, abs=tol)
 
 
@@ -204,11 +225,23 @@ def test_planted_sink_layer_chooses_a_rule_that_keeps_position_0(seed):
     pol = C.calibrate(m, None, B, texts=tx, settings=SET, cont_len=N)
     cos = pol.meta["signals"]["prefill"]["cosine"]
     ref = C.reference(m, torch.tensor([tx[0][0]]), torch.tensor([tx[0][1]]), SET)
-    keeps = {r: bool((C.probe_policy(3, layer, (r, B), ("append", B), B, SET).compress(m, ref["full"], ref["obs"])
-                      .layers[layer].pos == 0).any()) for r in P.pool()}
+    keeps = {
+        r: bool(
+            (
+                C.probe_policy(3, layer, (r, B), ("append", B), B, SET)
+                .compress(m, ref["full"], ref["obs"])
+                .layers[layer]
+                .pos
+                == 0
+            ).any()
+        )
+        for r in P.pool()
+    }
     assert keeps["streaming"] and not keeps["h2o"] and not keeps["tova"]      # the plant works
     assert keeps[pol.layers[layer].prefill[0]]
-    assert min(cos[r][layer] for r in P.pool() if keeps[r]) > max(cos[r][layer] for r in P.pool() if not keeps[r])
+    assert min(cos[r][layer] for r in P.pool() if keeps[r]) > max(
+        cos[r][layer] for r in P.pool() if not keeps[r]
+    )
 
 
 # ----------------------------------------------------------------------------- construction
@@ -240,8 +273,12 @@ def test_one_rule_uniform_budgets_equals_uniform_policy(rule):
     for p, q in pairs:
         a, b = P.prefill(m, tokens[:, :T], p), P.prefill(m, tokens[:, :T], q)
         for la, lb in zip(a.layers, b.layers):
-            assert torch.equal(la.pos, lb.pos) and torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
-        assert torch.equal(M.decode(m, tokens[:, T:], a, p.decoder), M.decode(m, tokens[:, T:], b, q.decoder))
+            assert (
+                torch.equal(la.pos, lb.pos) and torch.equal(la.k, lb.k) and torch.equal(la.v, lb.v)
+            )
+        assert torch.equal(
+            M.decode(m, tokens[:, T:], a, p.decoder), M.decode(m, tokens[:, T:], b, q.decoder)
+        )
 
 
 def test_build_budgets_append_and_ablations():
@@ -250,7 +287,12 @@ def test_build_budgets_append_and_ablations():
     sig["prefill"]["dppl"]["tova"] = [0.0, 0.0, 0.0, 9.0]     # ppl sensitivity: layer 3 worst
     sig["decode"]["dppl"]["h2o"] = [9.0, 0.0, 0.0, 0.0]       # decode: layer 0 worst
     pol = C.build(sig, 100, sensitivity="entropy", cap=400, horizon=20)
-    assert [lp.prefill[1] for lp in pol.layers] == [100 - 75 + 30, 100 - 75 + 60, 100 - 75 + 90, 100 - 75 + 120]
+    assert [lp.prefill[1] for lp in pol.layers] == [
+        100 - 75 + 30,
+        100 - 75 + 60,
+        100 - 75 + 90,
+        100 - 75 + 120,
+    ]
     assert [lp.prefill[1] for lp in pol.layers] == [lp.decode[1] for lp in pol.layers]
     assert all(lp.decode[0] == "streaming" for lp in pol.layers)   # decode budget binds
     pp = C.build(sig, 100, sensitivity="ppl", cap=400, horizon=20)
@@ -259,13 +301,22 @@ def test_build_budgets_append_and_ablations():
     # layer 0's decode budget exceeds its prefill budget by >= horizon: it cannot bind -> append
     assert [lp.decode[0] for lp in pp.layers] == ["append", "streaming", "streaming", "streaming"]
     po = C.pattern_only(pp)
-    assert [(lp.prefill, lp.decode) for lp in po.layers] == [(("h2o", 100), (d, 100)) for d in ("append",) + ("streaming",) * 3]
+    assert [(lp.prefill, lp.decode) for lp in po.layers] == [
+        (("h2o", 100), (d, 100)) for d in ("append",) + ("streaming",) * 3
+    ]
     pf = C.prefill_only(pp)
-    assert [(lp.prefill, lp.decode) for lp in pf.layers] == [(lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers]
+    assert [(lp.prefill, lp.decode) for lp in pf.layers] == [
+        (lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers
+    ]
     bo = C.budget_only(pp, "tova")
-    assert [(lp.prefill, lp.decode) for lp in bo.layers] == [(("tova", 25), ("tova", 325)), (("tova", 25), ("tova", 25)),
-                                                             (("tova", 25), ("tova", 25)), (("tova", 325), ("tova", 25))]
-    assert C.build(sig, 100, preference="ppl").layers[0].prefill[0] == "streaming"  # all ΔPPL 0: tie -> first
+    assert [(lp.prefill, lp.decode) for lp in bo.layers] == [
+        (("tova", 25), ("tova", 325)),
+        (("tova", 25), ("tova", 25)),
+        (("tova", 25), ("tova", 25)),
+        (("tova", 325), ("tova", 25)),
+    ]
+    # all ΔPPL 0: tie -> first
+    assert C.build(sig, 100, preference="ppl").layers[0].prefill[0] == "streaming"
     with pytest.raises(UsageError, match="unknown rule 'x'"):
         C.budget_only(pp, "x")
     with pytest.raises(UsageError, match="preference must be"):
@@ -274,7 +325,9 @@ def test_build_budgets_append_and_ablations():
 
 def test_policy_for_caches_and_checks_layers(tmp_path):
     m, tx = tiny(4), texts(4)
-    first = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, settings=SET, cont_len=N)
+    first = C.policy_for(
+        m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, settings=SET, cont_len=N
+    )
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == [f"polykv-tiny_x-B10-seed7-{C.TEXT_VERSION}.json"]
     marked = P.Policy(first.layers, first.budget, first.settings, {**first.meta, "mark": 1})
@@ -290,8 +343,12 @@ def test_policy_for_caches_and_checks_layers(tmp_path):
 
 
 def test_cli_errors_are_one_line(capsys):
-    for argv, msg in ((["--budget", "0"], "budget"), (["--budget", "512", "--prompt-len", "300"], "longer than the budget"),
-                      (["--budget", "64", "--b-min", "65"], "b_min"), (["--out", "/no/such/dir/p.json"], "no such folder")):
+    for argv, msg in (
+        (["--budget", "0"], "budget"),
+        (["--budget", "512", "--prompt-len", "300"], "longer than the budget"),
+        (["--budget", "64", "--b-min", "65"], "b_min"),
+        (["--out", "/no/such/dir/p.json"], "no such folder"),
+    ):
         with pytest.raises(UsageError) as e:
             C.main(argv)
         assert msg in str(e.value) and "\n" not in str(e.value)

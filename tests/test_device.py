@@ -6,19 +6,19 @@ be copied, compared or read), exactly as a CPU tensor would fail next to CUDA on
 Each run is compared with the same run under the ordinary default: kept positions, biases,
 logits and greedy tokens equal to the bit (the meta default must change nothing else).
 Tiny random LLaMA in fp64."""
-from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import baselines as BL
 import calibrate as C
 import evaluate as E
 import gracekv as GK
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
-from support import gracekv_variants as V
+import gracekv_variants as V
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 GSET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
@@ -55,8 +55,9 @@ def make(name: str, L: int) -> P.Method:
     transform (calibrate.VARIANTS) of the hand-made policy, GraceKV's rows use small settings."""
     if name in C.VARIANTS:
         return C.VARIANTS[name][1](hand_policy(L))
-    if GK.is_row(name):
-        return GK.GraceKV(BUDGET, replace(GSET, **V.overrides(name, GK.Settings)))
+    if V.is_row(name):
+        settings, formulas = V.build({**GSET.__dict__, **V.overrides(name)})
+        return GK.GraceKV(BUDGET, settings, formulas)
     return E.method(name, BUDGET, L, SET)
 
 
@@ -93,7 +94,6 @@ def test_method_makes_every_tensor_on_its_inputs_device(name):
     x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(1))
     method = make(name, m.config.n_layers)
     want = run(m, method, x)
-    GK.CONTEXTS.clear()                  # GraceKV: the per-prompt steps recomputed on meta too
     got = on_meta_default(run, m, method, x)
     assert_same(got, want)
 
@@ -135,7 +135,7 @@ def test_kvzip_pass_in_several_chunks_makes_every_tensor_on_the_inputs_device():
     full = M.prefill(m, x)
 
     def scores():
-        return P.reconstruct(m, full, x, REPEAT, list(range(m.config.n_layers)), 2, 16, 4)
+        return BL.reconstruct(m, full, x, REPEAT, list(range(m.config.n_layers)), 2, 16, 4)
     assert_same(on_meta_default(scores), scores())
 
 

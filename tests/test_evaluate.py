@@ -21,22 +21,49 @@ def policy_file(tmp_path_factory):
     """A heterogeneous 2-layer PolyKV policy at B = 24 (the runner rescales it to 48)."""
     import polykv as P
     f = tmp_path_factory.mktemp("pol") / "policy.json"
-    P.Policy([P.LayerPolicy(("tova", 32), ("tova", 32)), P.LayerPolicy(("snapkv", 16), ("h2o", 16))],
-             24, meta={"best_uniform": "streaming"}).save(f)
+    P.Policy(
+        [P.LayerPolicy(("tova", 32), ("tova", 32)), P.LayerPolicy(("snapkv", 16), ("h2o", 16))],
+        24,
+        meta={"best_uniform": "streaming"},
+    ).save(f)
     return f
 
 
 def run(tiny_dir, out, *extra):
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--out", str(out), "--budget", "24,48",
-            "--methods", "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv",
-            "--tasks", "niah_single_1", "--length", "480",
-            "--samples", "2", "--fidelity-length", "120", "--fidelity-samples", "2", "--cont-len", "8",
-            "--max-new-tokens", "4", *extra]
+    args = [
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--out",
+        str(out),
+        "--budget",
+        "24,48",
+        "--methods",
+        "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv",
+        "--tasks",
+        "niah_single_1",
+        "--length",
+        "480",
+        "--samples",
+        "2",
+        "--fidelity-length",
+        "120",
+        "--fidelity-samples",
+        "2",
+        "--cont-len",
+        "8",
+        "--max-new-tokens",
+        "4",
+        *extra,
+    ]
     E.main(args)
     return json.loads((out / "summary.json").read_text())
 
 
-def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_file, tmp_path, monkeypatch):
+def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(
+    tiny_dir, policy_file, tmp_path, monkeypatch
+):
     whole = run(tiny_dir, tmp_path / "a", "--policy", str(policy_file))
     rows = {(r["method"], r["budget"], r["task"], r["metric"]): r for r in whole["rows"]}
     for b in (24, 48):
@@ -57,7 +84,10 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
                 assert r["alloc_fraction"] == r["peak_fraction"]
                 if n is not None:
                     assert r["peak_fraction"] == pytest.approx(
-                        (min(r["budget"], r["n_tokens"]) + n) / (r["n_tokens"] + n) if r["method"] != "full" else 1.0)
+                        (min(r["budget"], r["n_tokens"]) + n) / (r["n_tokens"] + n)
+                        if r["method"] != "full"
+                        else 1.0
+                    )
         else:
             assert r["kv_fraction"] <= r["budget"] / r["n_tokens"] + 1e-12
 
@@ -83,8 +113,13 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
     kept = [r for r in kept if (r["task"], r["index"]) == (kept[0]["task"], kept[0]["index"])]
     assert len(kept) == 8 * 2 and len(part) == 2 * 8 * 2 - 3       # one whole prompt, one torn
     names = "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv".split(",")
-    want = report.summarize(kept, names, [24, 48], E.baselines(), [n for n in names if n.startswith("polykv")])
-    assert got["rows"] == [{**d, "protocol": "prompt"} for d in want] and got["config"]["wall_s"] is None
+    want = report.summarize(
+        kept, names, [24, 48], E.baselines(), [n for n in names if n.startswith("polykv")]
+    )
+    assert (
+        got["rows"] == [{**d, "protocol": "prompt"} for d in want]
+        and got["config"]["wall_s"] is None
+    )
     assert got["config"]["prompts"] == "1 of 4 (--report)"
     assert len((tmp_path / "c" / "samples.jsonl").read_text().splitlines()) == len(part)
     monkeypatch.setattr(E, "run_item", real)
@@ -93,7 +128,8 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(tiny_dir, policy_f
     timeless = lambda s: [r for r in s["rows"] if r["task"] != "time"]    # wall-clock rows differ
     assert timeless(resumed) == timeless(whole) and len(timeless(whole)) < len(whole["rows"])
     lines = (tmp_path / "b" / "samples.jsonl").read_text().splitlines()
-    assert len(lines) == len({json.loads(l)["key"] for l in lines}) == 4 * 8 * 2   # nothing done twice
+    # nothing done twice
+    assert len(lines) == len({json.loads(l)["key"] for l in lines}) == 4 * 8 * 2
 
 
 # ----------------------------------------------------------------------------- the run folder
@@ -290,8 +326,16 @@ def fake_rows(kl, score, n=6):
         for i in range(n):
             base = {"method": m, "budget": 64, "length": 100, "index": i, "kv_fraction": 0.1}
             rows.append({**base, "task": "fidelity", "kl": kl[m](i), "dnll": kl[m](i), "top1": 90})
-            rows.append({**base, "task": "niah_single_1", "score": score[m](i), "metric": "string_match_all",
-                         "kl": kl[m](i), "dnll": 2 * kl[m](i)})
+            rows.append(
+                {
+                    **base,
+                    "task": "niah_single_1",
+                    "score": score[m](i),
+                    "metric": "string_match_all",
+                    "kl": kl[m](i),
+                    "dnll": 2 * kl[m](i),
+                }
+            )
     return rows
 
 
@@ -301,7 +345,12 @@ def test_paired_bootstrap_known_cases():
     spread = lambda i: 0.1 + 0.05 * i                              # prompts differ a lot
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": spread,
           "polykv": lambda i: spread(i) - 0.02}
-    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 50 * (i % 2), "polykv": lambda i: 75}
+    score = {
+        "full": lambda i: 100,
+        "snapkv": lambda i: 50,
+        "tova": lambda i: 50 * (i % 2),
+        "polykv": lambda i: 75,
+    }
     names = list(kl)
     summary = report.summarize(fake_rows(kl, score), names, [64], E.baselines(), ["polykv"])
     get = {(d["method"], d["task"], d["metric"]): d for d in summary}
@@ -310,12 +359,23 @@ def test_paired_bootstrap_known_cases():
     assert sn["n"] == 6
     best = "snapkv" if "vs_best" in tv else "tova"                   # a tie at the top: either
     other = tv if best == "snapkv" else sn
-    assert other["vs_best"] == {"rule": best, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0, "tie": True}
+    assert other["vs_best"] == {
+        "rule": best,
+        "diff": 0.0,
+        "ci_low": 0.0,
+        "ci_high": 0.0,
+        "tie": True,
+    }
     assert pk["vs_best"]["diff"] == pytest.approx(-0.02) and not pk["vs_best"]["tie"]
-    assert pk["vs_best"]["ci_low"] == pytest.approx(-0.02) and pk["vs_best"]["ci_high"] == pytest.approx(-0.02)
+    assert pk["vs_best"]["ci_low"] == pytest.approx(-0.02) and pk["vs_best"][
+        "ci_high"
+    ] == pytest.approx(-0.02)
     # the gap recovered: (0.205 − 0.225)/(0 − 0.225) = +8.9 %, interval around it
     gap = get[("polykv", "gap", "fidelity_kl")]
-    assert gap["value"] == pytest.approx(0.02 / 0.225, abs=1e-4) and gap["ci_low"] <= gap["value"] <= gap["ci_high"]
+    assert (
+        gap["value"] == pytest.approx(0.02 / 0.225, abs=1e-4)
+        and gap["ci_low"] <= gap["value"] <= gap["ci_high"]
+    )
     md = report.table(summary, names, [64], ["niah_single_1"])
     assert "| 64 | snapkv | 50.0 | " in md                           # a constant score: no ± part
     assert "polykv @ 64, gap recovered on fidelity_kl: +8.9%" in md
@@ -328,15 +388,28 @@ def test_leaders_known_cases():
     spread = lambda i: 0.1 + 0.05 * i
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03,
           "h2o": lambda i: spread(i) + (0.02 if i % 2 else -0.02)}
-    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80, "h2o": lambda i: 70 + 20 * (i % 2)}
+    score = {
+        "full": lambda i: 100,
+        "snapkv": lambda i: 50,
+        "tova": lambda i: 80,
+        "h2o": lambda i: 70 + 20 * (i % 2),
+    }
     got = compare.leaders(fake_rows(kl, score), list(kl), [64], ["niah_single_1"])
     assert got[0].startswith("B = 64, fidelity KL (n = 6): snapkv 0.225 ties h2o +0 [-0.0")
     assert got[0].endswith("] | behind: tova +0.03 [+0.03, +0.03]")
-    assert got[2].startswith("B = 64, niah_single_1 (n = 6): tova 80 ties h2o +0 [-") and "behind: snapkv -30 [-30, -30]" in got[2]
-    table = compare.leaders_table(fake_rows(kl, score), list(kl), [64], ["niah_single_1"], length=8000).splitlines()
+    assert (
+        got[2].startswith("B = 64, niah_single_1 (n = 6): tova 80 ties h2o +0 [-")
+        and "behind: snapkv -30 [-30, -30]" in got[2]
+    )
+    table = compare.leaders_table(
+        fake_rows(kl, score), list(kl), [64], ["niah_single_1"], length=8000
+    ).splitlines()
     assert table[0] == "| measure | B = 64 (125×) |"
-    assert table[2:] == ["| fidelity KL | snapkv 0.225; h2o (n = 6) |", "| answer ΔNLL | snapkv 0.45; h2o (n = 6) |",
-                         "| niah_single_1 | tova 80; h2o (n = 6) |"]
+    assert table[2:] == [
+        "| fidelity KL | snapkv 0.225; h2o (n = 6) |",
+        "| answer ΔNLL | snapkv 0.45; h2o (n = 6) |",
+        "| niah_single_1 | tova 80; h2o (n = 6) |",
+    ]
 
 
 def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
@@ -361,7 +434,8 @@ def test_torn_last_line_is_dropped_and_the_run_resumes(tmp_path, capsys):
     assert [r["key"] for r in rows] == ["a", "b"]
     err = capsys.readouterr().err.strip()
     assert err.startswith("warning:") and "torn last line" in err and "\n" not in err
-    assert f.read_text() == '{"key": "a", "x": 1}\n{"key": "b", "x": 2}\n'    # appends continue cleanly
+    # appends continue cleanly
+    assert f.read_text() == '{"key": "a", "x": 1}\n{"key": "b", "x": 2}\n'
     assert E.read_rows(f) == rows and capsys.readouterr().err == ""
 
 
@@ -405,32 +479,49 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
     assert evicting == (L * G * 16, L * G * 16)                       # the paper's protocol
 
 
-@pytest.mark.parametrize("argv, msg", [
-    (["--methods", "full,magic"], "error: unknown method 'magic'; choose from full, streaming"),
-    (["--budget", "0"], "error: budget must be >= 1, got 0"),
-    (["--tasks", "nope"], "error: unknown task 'nope'; choose from niah_single_1"),
-    (["--model", "/nonexistent/dir"], "error: model folder '/nonexistent/dir' does not exist"),
-    (["--device", "cuda"], "error: --device cuda: no CUDA device is available here"),
-    (["--protocol", "prompt,later"], "error: unknown protocol 'later'; choose from prompt, context, agnostic"),
-    (["--memory", "budget", "--protocol", "context"], "error: --memory budget runs the prompt protocol only"),
-    (["--greedy", "vt"], "error: --greedy 'vt' is not among --tasks (niah_single_1)"),
-])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--methods", "full,magic"], "error: unknown method 'magic'; choose from full, streaming"),
+        (["--budget", "0"], "error: budget must be >= 1, got 0"),
+        (["--tasks", "nope"], "error: unknown task 'nope'; choose from niah_single_1"),
+        (["--model", "/nonexistent/dir"], "error: model folder '/nonexistent/dir' does not exist"),
+        (["--device", "cuda"], "error: --device cuda: no CUDA device is available here"),
+        (
+            ["--protocol", "prompt,later"],
+            "error: unknown protocol 'later'; choose from prompt, context, agnostic",
+        ),
+        (
+            ["--memory", "budget", "--protocol", "context"],
+            "error: --memory budget runs the prompt protocol only",
+        ),
+        (["--greedy", "vt"], "error: --greedy 'vt' is not among --tasks (niah_single_1)"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, msg):
-    r = subprocess.run([sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(
+        [sys.executable, "evaluate.py", *argv], cwd=ROOT, capture_output=True, text=True
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr     # could not run (support/cli.py)
     assert r.stderr.strip().splitlines() == [r.stderr.strip()] and r.stderr.strip().startswith(msg)
 
 
-def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any_work(tiny_dir, tmp_path,
-                                                                                     monkeypatch):
+def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any_work(
+    tiny_dir, tmp_path, monkeypatch
+):
     out = tmp_path / "a"
     out.mkdir()
     (out / "samples.jsonl").write_text('{"key": "kept"}\n')
-    with pytest.raises(M.UsageError, match=r"^calibration prompts of 1000 \(\+64\) tokens exceed the model's "
-                                           r"maximum 1024$"):
+    with pytest.raises(
+        M.UsageError,
+        match=r"^calibration prompts of 1000 \(\+64\) tokens exceed the model's " r"maximum 1024$",
+    ):
         run(tiny_dir, out, "--calibration-length", "1000")
-    assert (out / "samples.jsonl").read_text() == '{"key": "kept"}\n' and [f.name for f in out.iterdir()] == ["samples.jsonl"]
-    run(tiny_dir, tmp_path / "b", "--calibration-length", "1000", "--methods", "full,snapkv")   # no PolyKV row: no check
+    assert (out / "samples.jsonl").read_text() == '{"key": "kept"}\n' and [
+        f.name for f in out.iterdir()
+    ] == ["samples.jsonl"]
+    # no PolyKV row: no check
+    run(tiny_dir, tmp_path / "b", "--calibration-length", "1000", "--methods", "full,snapkv")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(M.UsageError, match=r"--report runs in one process \(no torchrun\)"):
         E.parse(["--report"])
@@ -439,20 +530,63 @@ def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any
 def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
     """torchrun --nproc_per_node 2 (gloo, CPU): every item written once, by one rank, and the
     merged summary equals a single process's (rows identical apart from time)."""
-    common = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1",
-              "--budget", "24", "--methods", "full,streaming,tova,snapkv,polykv,gracekv",
-              "--tasks", "niah_single_1", "--length", "400", "--samples", "3", "--fidelity-length", "100",
-              "--fidelity-samples", "3", "--cont-len", "6", "--max-new-tokens", "3", "--policy", str(policy_file)]
+    common = [
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float64",
+        "--threads",
+        "1",
+        "--budget",
+        "24",
+        "--methods",
+        "full,streaming,tova,snapkv,polykv,gracekv",
+        "--tasks",
+        "niah_single_1",
+        "--length",
+        "400",
+        "--samples",
+        "3",
+        "--fidelity-length",
+        "100",
+        "--fidelity-samples",
+        "3",
+        "--cont-len",
+        "6",
+        "--max-new-tokens",
+        "3",
+        "--policy",
+        str(policy_file),
+    ]
     E.main(common + ["--out", str(tmp_path / "one")])
-    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                        "evaluate.py", *common, "--out", str(tmp_path / "two")],
-                       cwd=ROOT, capture_output=True, text=True, timeout=600)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            "2",
+            "evaluate.py",
+            *common,
+            "--out",
+            str(tmp_path / "two"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     files = sorted((tmp_path / "two").glob("samples*.jsonl"))
     assert [f.name for f in files] == ["samples.rank0.jsonl", "samples.rank1.jsonl"]
     keys = [json.loads(l)["key"] for f in files for l in f.read_text().splitlines()]
     assert len(keys) == len(set(keys)) == 6 * 6 and all(f.read_text() for f in files)
-    timeless = lambda d: [x for x in json.loads((d / "summary.json").read_text())["rows"] if x["task"] != "time"]
+    timeless = lambda d: [
+        x for x in json.loads((d / "summary.json").read_text())["rows"] if x["task"] != "time"
+    ]
     assert timeless(tmp_path / "two") == timeless(tmp_path / "one")
 
 
@@ -461,28 +595,56 @@ def test_report_cli_reprints_a_subset(tmp_path, capsys):
     score = {m: (lambda i: 50) for m in kl}
     summary = report.summarize(fake_rows(kl, score), list(kl), [64], E.baselines())
     f = tmp_path / "summary.json"
-    f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
-                             "rows": summary}))
+    f.write_text(
+        json.dumps(
+            {
+                "config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
+                "rows": summary,
+            }
+        )
+    )
     report.main([str(f), "--methods", "full,tova", "--no-diff"])
     out = capsys.readouterr().out.strip().splitlines()
-    assert len(out) == 4 and out[2].startswith("| 64 | full |") and out[3].startswith("| 64 | tova | 50.0 |")
+    assert (
+        len(out) == 4
+        and out[2].startswith("| 64 | full |")
+        and out[3].startswith("| 64 | tova | 50.0 |")
+    )
 
 
 def test_versus_is_the_paired_difference(tmp_path, capsys):
     """A method that is another plus a constant c on every prompt: difference c, interval [c, c];
-    itself plus noise around 0 on alternate prompts: a tie. The CLI reads the rows beside the summary."""
+    itself plus noise around 0 on alternate prompts: a tie. The CLI reads the rows beside the
+    summary."""
     spread = lambda i: 0.1 + 0.05 * i
-    kl = {"gracekv": spread, "gracekv-hbar": lambda i: spread(i) + 0.03, "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01}
-    score = {"gracekv": lambda i: 50, "gracekv-hbar": lambda i: 50, "gracekv-unit": lambda i: 100 * (i % 2)}
+    kl = {
+        "gracekv": spread,
+        "gracekv-hbar": lambda i: spread(i) + 0.03,
+        "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01,
+    }
+    score = {
+        "gracekv": lambda i: 50,
+        "gracekv-hbar": lambda i: 50,
+        "gracekv-unit": lambda i: 100 * (i % 2),
+    }
     rows = fake_rows(kl, score)
     lines = compare.versus(rows, "gracekv", list(kl), [64], ["niah_single_1"])
     assert "gracekv-hbar +0.03 [+0.03, +0.03]" in lines[0] and "gracekv-unit" in lines[0]
     assert lines[0].split("gracekv-unit ")[1].endswith("tie")
     assert "gracekv-hbar +0.06 [+0.06, +0.06]" in lines[1]            # answer ΔNLL = 2·kl
-    assert lines[2].startswith("B = 64, niah_single_1 minus gracekv") and "gracekv-hbar +0 [+0, +0] tie" in lines[2]
+    assert (
+        lines[2].startswith("B = 64, niah_single_1 minus gracekv")
+        and "gracekv-hbar +0 [+0, +0] tie" in lines[2]
+    )
     f = tmp_path / "summary.json"
-    f.write_text(json.dumps({"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
-                             "rows": report.summarize(rows, list(kl), [64], E.baselines())}))
+    f.write_text(
+        json.dumps(
+            {
+                "config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
+                "rows": report.summarize(rows, list(kl), [64], E.baselines()),
+            }
+        )
+    )
     with pytest.raises(M.UsageError, match="needs the per-sample rows"):
         report.main([str(f), "--versus", "gracekv"])
     (tmp_path / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
@@ -491,7 +653,9 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     assert "fidelity KL minus gracekv, paired 95 % CI: gracekv-hbar +0.03 [+0.03, +0.03]" in out
     table = compare.versus_table(rows, "gracekv", list(kl), [64], ["niah_single_1"]).splitlines()
     assert table[0] == "| measure | budget | gracekv-hbar | gracekv-unit |" and table[-3] in out
-    assert table[2].startswith("| fidelity KL | 64 | +0.03 [+0.03, +0.03] | ") and table[2].endswith(" tie |")
+    assert table[2].startswith("| fidelity KL | 64 | +0.03 [+0.03, +0.03] | ") and table[
+        2
+    ].endswith(" tie |")
     assert table[3].startswith("| answer ΔNLL | 64 | +0.06 [+0.06, +0.06] | ")
     with pytest.raises(M.UsageError, match="no such method"):
         report.main([str(f), "--versus", "snapkv"])

@@ -7,12 +7,14 @@ import torch
 from hypothesis import given, strategies as st
 
 import gracekv as GK
+import gracekv_variants as V
 from support import greedy
-from support import gracekv_variants as V
 import model as M
 from conftest import tiny as tiny_llama
 
-SET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3), prefetch=3, seeds=3)
+SET = GK.Settings(
+    window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3), prefetch=3, seeds=3
+)
 CHUNK = 5                    # observation chunk: several chunks on tiny prompts
 
 
@@ -73,7 +75,9 @@ def attention_maps(m, x):
 def naive_propagate(s_bar, A, n, hops, decay):
     """Python: seeds by (value, later token); each hop the seeds' weighted rows of A, every
     chosen seed zeroed, the next seeds its best; d = Σ decay^(k−1)·d_k, normalised."""
-    rank = lambda v: [i for i in sorted(range(len(v)), key=lambda i: (-float(v[i]), -i)) if v[i] > 0][:n]
+    rank = lambda v: [
+        i for i in sorted(range(len(v)), key=lambda i: (-float(v[i]), -i)) if v[i] > 0
+    ][:n]
     chosen, front = [], rank(s_bar)
     w, d = [float(s_bar[i]) for i in front], torch.zeros_like(s_bar)
     chosen += front
@@ -81,7 +85,9 @@ def naive_propagate(s_bar, A, n, hops, decay):
         if not front:
             break
         mass = sum(wi * A[j] for wi, j in zip(w, front))
-        mass = torch.tensor([0.0 if t in chosen else float(mass[t]) for t in range(len(s_bar))], dtype=s_bar.dtype)
+        mass = torch.tensor(
+            [0.0 if t in chosen else float(mass[t]) for t in range(len(s_bar))], dtype=s_bar.dtype
+        )
         d += decay ** (k - 1) * mass
         front = rank(mass)
         w = [float(mass[i]) for i in front]
@@ -98,39 +104,48 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops, fwd
     variant's x^k; ω (eq. 11) from U alone; the evidence probes: the strided queries in the
     slots of highest peak R (past token 4), U's first, with their positions."""
     m = tiny(seed)
-    s = GK.Settings(**{**SET.__dict__, "hops": hops, "dense_hops": hops, "hop_depths": (0.0, 1.0),
+    s = GK.Settings(**{**SET.__dict__, "hops": hops, "hop_depths": (0.0, 1.0),
                        "hop_forward": fwd, "evidence": n_ev, "evidence_stride": 2})
     x = tokens(seed, T)
     full, maps, qs, outs = attention_maps(m, x)
-    _, stats = GK.observe(m, x, s, chunk=3)
+    _, stats = GK.observe(m, x, s, chunk=3, statistic=functools.partial(V.DenseFlow, hops=hops))
     G, H, r = 2, 4, 4
     Tc = T - r
     shat = []
     for l in range(2):
         Abar = maps[l].view(G, H // G, T, T).mean(1)                          # (G, T, T) group mean
-        xk = Abar[:, T - r:].sum(1)                                           # x^0 = Σ_{u∈U} Ā[u, :]
+        # x^0 = Σ_{u∈U} Ā[u, :]
+        xk = Abar[:, T - r:].sum(1)
         for k in range(hops + 1):
             torch.testing.assert_close(stats.flow[l][k], xk, rtol=1e-10, atol=1e-12)
-            xk = (xk[:, None, :] @ Abar)[:, 0]                                # x^k = x^{k−1} Ā (dense)
+            # x^k = x^{k−1} Ā (dense)
+            xk = (xk[:, None, :] @ Abar)[:, 0]
         torch.testing.assert_close(stats.probes[l], qs[l][:, T - r:])
-        for g in range(G):                                                    # this unit's own heads
+        # this unit's own heads
+        for g in range(G):
             own = maps[l][g * 2:(g + 1) * 2, T - r:, :Tc].sum((0, 1))
             shat.append(own / own.sum())
     cx = GK.context(m, full, stats, r, s)
-    A = sum(maps[l][:, :Tc, :Tc].mean(0) for l in (0, 1)) / 2                # sampled: layers 0 and 1
-    A = (1 - fwd) * A + fwd * A.T                                             # A[j]: what j reads / who reads j
+    # sampled: layers 0 and 1
+    A = sum(maps[l][:, :Tc, :Tc].mean(0) for l in (0, 1)) / 2
+    # A[j]: what j reads / who reads j
+    A = (1 - fwd) * A + fwd * A.T
     s_bar = torch.stack(shat).mean(0)
     d_hat, seeds = naive_propagate(s_bar / s_bar.sum(), A, s.seeds, hops, s.decay)
     assert cx.seeds == seeds
     for j in range(4):
-        torch.testing.assert_close(cx.units.R[j, :Tc], 0.7 * shat[j] + 0.3 * d_hat, rtol=1e-9, atol=1e-13)
+        torch.testing.assert_close(
+            cx.units.R[j, :Tc], 0.7 * shat[j] + 0.3 * d_hat, rtol=1e-9, atol=1e-13
+        )
         torch.testing.assert_close(cx.sal[j], shat[j], rtol=1e-10, atol=1e-14)
     for l in range(2):
         Wo = m.layers[l].self_attn.o_proj.weight.detach()                     # (dim, H·D)
         for g in range(G):
             cols = slice(g * 2 * 8, (g + 1) * 2 * 8)
             a = Wo[:, cols].norm()
-            contrib = outs[l][2 * g:2 * g + 2, T - r:].transpose(0, 1).reshape(r, 16) @ Wo[:, cols].T
+            contrib = (
+                outs[l][2 * g : 2 * g + 2, T - r :].transpose(0, 1).reshape(r, 16) @ Wo[:, cols].T
+            )
             b = contrib.norm(dim=-1).mean()
             torch.testing.assert_close(cx.omega[l * G + g], (a * b).sqrt(), rtol=1e-10, atol=0)
         peak = cx.units.R[l * G:(l + 1) * G, :Tc].mean(0).clone()
@@ -139,14 +154,17 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops, fwd
         ev = [t for a, b in best for t in range(a, b) if t % 2 == 0][:n_ev]
         at = list(range(T - r, T)) + ev
         for g in range(G):
-            torch.testing.assert_close(cx.units.q[l * G + g], qs[l][2 * g:2 * g + 2, at].reshape(-1, 8))
+            torch.testing.assert_close(
+                cx.units.q[l * G + g], qs[l][2 * g : 2 * g + 2, at].reshape(-1, 8)
+            )
             assert cx.units.qpos[l * G + g].tolist() == at * 2
 
 
 @given(st.integers(3, 12), st.integers(1, 3), st.integers(0, 3), st.integers(0, 10**6))
 def test_propagate_seeds_and_hop_removal_on_a_hand_built_map(Tc, n, hops, seed):
     """On a hand-built (causal) token attention map: the seeds, their order and d̂ equal the
-    naive walk; no token is a seed twice; with one hop from a single seed d̂ is its row, minus itself."""
+    naive walk; no token is a seed twice; with one hop from a single seed d̂ is its row, minus
+    itself."""
     g = torch.Generator().manual_seed(seed)
     A = torch.rand(Tc, Tc, generator=g, dtype=torch.float64).tril()
     A = A / A.sum(1, keepdim=True)
@@ -174,11 +192,13 @@ def test_bends_equal_naive_and_greedy_cut():
         after = hn[i + 1:i + 4].mean(0)
         want = 1 - torch.nn.functional.cosine_similarity(hn[i] - before, after - hn[i], dim=0)
         torch.testing.assert_close(k[i], want)
-    for Tc in (0, 5, 8, 9, 17, 40, 57):                                       # the variant's greedy cut
+    # the variant's greedy cut
+    for Tc in (0, 5, 8, 9, 17, 40, 57):
         slots = V.greedy_slots(k, Tc, SET)
         assert [a for a, _ in slots] == ([0] + [b for _, b in slots[:-1]] if Tc else [])
         assert not slots or slots[-1][1] == Tc
-        for a, b in slots[:-1]:                                               # cut at the first max κ
+        # cut at the first max κ
+        for a, b in slots[:-1]:
             assert 3 <= b - a <= 8
             window = k[a + 3:min(a + 8, Tc - 3) + 1]
             assert b == a + 3 + int(window.argmax())
@@ -194,13 +214,19 @@ def test_surprisal_term_of_the_boundaries_equals_naive():
     s, off = replace(SET, lambda_s=0.7), replace(SET, lambda_s=0.0)
     full, obs = GK.polykv.observe(m, x, GK.needs(s, m.config.n_layers))
     lp = torch.log_softmax(m.forward(x), -1)                                  # (1, T, V)
-    want = torch.cat((torch.zeros(1, 1, dtype=lp.dtype), -lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]), 1)
+    want = torch.cat(
+        (torch.zeros(1, 1, dtype=lp.dtype), -lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]), 1
+    )
     torch.testing.assert_close(obs.surprisal, want, rtol=1e-12, atol=1e-12)
-    assert GK.polykv.observe(m, x, GK.needs(off, m.config.n_layers))[1].surprisal is None   # λ_s = 0: not observed
+    # λ_s = 0: not observed
+    assert GK.polykv.observe(m, x, GK.needs(off, m.config.n_layers))[1].surprisal is None
     Tc = x.shape[1] - s.window
     b0, b1 = (GK.slot_bends(m, full, Tc, st_, torch.float64, obs.surprisal) for st_ in (off, s))
     torch.testing.assert_close(b1, b0 + 0.7 * GK.robust_z(want[0, :Tc]), rtol=1e-12, atol=1e-12)
-    assert torch.equal(PR.cut(full, obs, GK.needs(s, m.config.n_layers), 5, 30)[1].surprisal, obs.surprisal[:, 5:30])
+    assert torch.equal(
+        PR.cut(full, obs, GK.needs(s, m.config.n_layers), 5, 30)[1].surprisal,
+        obs.surprisal[:, 5:30],
+    )
 
 
 @given(st.integers(0, 40), st.integers(0, 10**6), st.integers(2, 4), st.integers(0, 3))
@@ -208,14 +234,20 @@ def test_dp_slots_optimal_against_brute_force(Tc, seed, lo, extra):
     """Eq. 5: the DP's K slots tile [0, Tc), each lo..hi tokens (hi = 2·lo + extra), K =
     n_slots(Tc), and no other such segmentation has a larger sum of b at its cuts."""
     hi = 2 * lo + extra
-    s = GK.Settings(**{**SET.__dict__, "slot_min": lo, "slot_max": hi, "slot_target": (lo + hi) // 2})
+    s = GK.Settings(
+        **{**SET.__dict__, "slot_min": lo, "slot_max": hi, "slot_target": (lo + hi) // 2}
+    )
     b = torch.randn(Tc, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
     slots = GK.dp_slots(b, Tc, s)
     K = GK.n_slots(Tc, s)
     if Tc == 0:
         assert slots == []
         return
-    assert slots[0][0] == 0 and slots[-1][1] == Tc and all(x[1] == y[0] for x, y in zip(slots, slots[1:]))
+    assert (
+        slots[0][0] == 0
+        and slots[-1][1] == Tc
+        and all(x[1] == y[0] for x, y in zip(slots, slots[1:]))
+    )
     assert len(slots) == K
     if K == 1:
         return
@@ -224,32 +256,40 @@ def test_dp_slots_optimal_against_brute_force(Tc, seed, lo, extra):
     def best(start, k):                   # brute force: the best sum of cuts for k slots from start
         if k == 1:
             return 0.0 if lo <= Tc - start <= hi else -math.inf
-        return max([float(b[c]) + best(c, k - 1) for c in range(start + lo, min(start + hi, Tc) + 1) if c < Tc]
-                   or [-math.inf])
+        return max(
+            [
+                float(b[c]) + best(c, k - 1)
+                for c in range(start + lo, min(start + hi, Tc) + 1)
+                if c < Tc
+            ]
+            or [-math.inf]
+        )
     got = sum(float(b[a]) for a, _ in slots[1:])
     assert got == pytest.approx(best(0, K), abs=1e-12)
 
 
-def naive_node(cx, j, toks, s):
+def naive_node(cx, j, toks, s, f):
     """Prototype and distortion of node `toks` of unit j straight from the write-up's formulas."""
     kr, v, R = cx.kr[j, toks], cx.v[j, toks], cx.R[j, toks]
     kbar = kr.mean(0)
     p = torch.tensor(toks, dtype=torch.float64).mean().round()
     key = M.apply_rope(kbar, p, cx.inv_freq)
-    if s.key is V.key_post:
+    if f.key is V.key_post:
         key = M.apply_rope(kr, torch.tensor(toks), cx.inv_freq).mean(0)       # mean post-RoPE key
     hb = kbar.norm() / (kr.norm(dim=-1).mean() + s.eps)
     mm = min(max(len(toks) * hb.item() ** 2, 1.0), len(toks))
     logit = cx.q[j] @ key / math.sqrt(key.shape[-1]) - cx.c[j]               # (P,) q·k̃/√D − c
-    if s.multiplicity is V.multiplicity_n:
+    if f.multiplicity is V.multiplicity_n:
         mm = len(toks)
-    elif s.multiplicity is V.multiplicity_fit:     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
+    # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
+    elif f.multiplicity is V.multiplicity_fit:
         lZ = cx.lg[j, toks].exp().sum(0).log()
         seen = cx.qpos[j] >= toks[-1]
         fit = float((torch.softmax(lZ[seen], 0) * (lZ - logit)[seen]).sum())
         mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + V.FIT_SLACK))
-    # β: the node's own, 0.1·mean of R over its tokens (eq. 7); the variant's: 0.1·mean over the context
-    w = R + s.beta * (cx.R[j, :cx.Tc].mean() if s.value_beta is V.beta_global else R.mean())
+    # β: the node's own, 0.1·mean of R over its tokens (eq. 7); the variant's: 0.1·mean over the
+    # context
+    w = R + s.beta * (cx.R[j, :cx.Tc].mean() if f.value_beta is V.beta_global else R.mean())
     val = (w[:, None] * v).sum(0) / w.sum()
     lg = cx.lg[j, toks]                                                       # (n, P) log A
     Z = lg.exp().sum(0)                                                       # (P,) attention mass
@@ -266,16 +306,26 @@ def naive_node(cx, j, toks, s):
                 Ddrop=float((wq * Dd)[seen].sum()), R=float(R.sum()))
 
 
-VARIANTS = [{}, {"key": V.key_post, "multiplicity": V.multiplicity_fit}, {"multiplicity": V.multiplicity_n},
-            {"key": V.key_post, "value_beta": V.beta_global, "rank_adds": V.rank_with_lookahead,
-             "unit_rows": V.shared_row, "extract": V.extract_hole, "floor": V.row_floor}]
+VARIANTS = [
+    {},
+    {"key": V.key_post, "multiplicity": V.multiplicity_fit},
+    {"multiplicity": V.multiplicity_n},
+    {
+        "key": V.key_post,
+        "value_beta": V.beta_global,
+        "rank_adds": V.rank_with_lookahead,
+        "relevance": V.shared_relevance,
+        "extract": V.extract_hole,
+        "floor": V.row_floor,
+    },
+]
 
 
 @given(st.integers(16, 40), st.integers(0, 3), st.sampled_from(VARIANTS))
 def test_prototype_and_distortion_equal_naive(T, seed, over):
-    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, **over})
+    m, (s, f) = tiny(seed), V.build({**SET.__dict__, **over})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
-    cx = GK.context(m, full, stats, 4, s)
+    cx = GK.context(m, full, stats, 4, s, f)
     g = torch.Generator().manual_seed(seed)
     U, Tc = cx.units.kr.shape[0], cx.Tc
     u = torch.randint(U, (12,), generator=g)
@@ -284,7 +334,7 @@ def test_prototype_and_distortion_equal_naive(T, seed, over):
     got = GK.node_stats(cx.units, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
-        want = naive_node(cx.units, int(u[i]), toks, s)
+        want = naive_node(cx.units, int(u[i]), toks, s, f)
         assert int(got["n"][i]) == len(toks)
         for k in ("key", "val"):
             torch.testing.assert_close(got[k][i], want[k], rtol=1e-10, atol=1e-12)
@@ -292,12 +342,15 @@ def test_prototype_and_distortion_equal_naive(T, seed, over):
             assert got[k][i].item() == pytest.approx(want[k], rel=1e-9, abs=1e-12)
         if len(toks) == 1:                    # a single-token node is its token: no distortion
             assert got["D"][i] == 0 and got["pos"][i] == toks[0]
-            torch.testing.assert_close(got["key"][i], full.layers[int(u[i]) // 2].k[0, int(u[i]) % 2, toks[0]])
+            torch.testing.assert_close(
+                got["key"][i], full.layers[int(u[i]) // 2].k[0, int(u[i]) % 2, toks[0]]
+            )
 
 
 def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     mu = torch.randn(3, 1, 8, dtype=torch.float64)
-    mu2 = mu.pow(2).sum(-1)                                                   # prototype = exact: ṽ = μ
+    # prototype = exact: ṽ = μ
+    mu2 = mu.pow(2).sum(-1)
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
     D, Dd = GK.distortion(logZ, torch.ones_like(logZ), mu2, mu2, logZ.clone(), mu2[:, 0],
                           GK.Settings())
@@ -327,22 +380,31 @@ def replay(plan, B_alloc):
             gone.add(dv)
         if kind is None:
             break
-        rank = plan.add_rank[v] if kind == "add" else gain / cost              # what the heap compared
+        # what the heap compared
+        rank = plan.add_rank[v] if kind == "add" else gain / cost
         avail = [plan.add_rank[r] for r in plan.add_gain if r not in added_roots and r not in gone
                  and 1 <= B_alloc - spent]
-        avail += [plan.split[f].gain / plan.split[f].cost for f in frontier if n[f] > 1 and f not in gone
-                  and plan.split[f].cost <= B_alloc - spent]
+        avail += [
+            plan.split[f].gain / plan.split[f].cost
+            for f in frontier
+            if n[f] > 1 and f not in gone and plan.split[f].cost <= B_alloc - spent
+        ]
         assert rank >= max(avail) and cost <= B_alloc - spent
         if kind == "add":
             assert v in plan.add_gain and v not in added_roots and cost == 1
             added_roots.add(v)
             frontier.add(v)
         else:
-            assert v in frontier and n[v] > 1                                # split only what was added
+            # split only what was added
+            assert v in frontier and n[v] > 1
             kids = plan.split[v].children
-            assert (gain, cost) == plan.split[v][:2] and cost == len(kids) - 1 and len(kids) in (2, 3)
-            assert sum(n[c] for c in kids) == n[v]                           # the children tile the node
-            if len(kids) == 3:                                                # extraction: the middle is one token
+            assert (
+                (gain, cost) == plan.split[v][:2] and cost == len(kids) - 1 and len(kids) in (2, 3)
+            )
+            # the children tile the node
+            assert sum(n[c] for c in kids) == n[v]
+            # extraction: the middle is one token
+            if len(kids) == 3:
                 assert sorted(n[c] == 1 for c in kids).count(True) >= 1
             frontier.remove(v)
             frontier.update(kids)
@@ -351,19 +413,26 @@ def replay(plan, B_alloc):
     return frontier
 
 
-@given(st.integers(14, 48), st.data(), st.integers(0, 3), st.sampled_from([0.1, 0.95]), st.sampled_from(VARIANTS))
+@given(
+    st.integers(14, 48),
+    st.data(),
+    st.integers(0, 3),
+    st.sampled_from([0.1, 0.95]),
+    st.sampled_from(VARIANTS),
+)
 def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     """Also with the one-step lookahead: it never spends more than the budget."""
     B = data.draw(st.integers(1, T - 1))
-    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "floor_frac": floor_frac, **over})
+    m, (s, f) = tiny(seed), V.build({**SET.__dict__, "floor_frac": floor_frac, **over})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
-    cache, plan = GK.compress(m, full, stats, B, s, return_plan=True)
+    cache, plan = GK.compress(m, full, stats, B, s, return_plan=True, formulas=f)
     L, G = 2, 2
     r, U = s.window, L * G
     if plan is None:                          # B ≥ T: identity; B ≤ r: the window alone
         assert cache.entries() == U * min(B, T)
         return
-    assert cache.entries() == cache.allocated() <= L * G * B                  # ragged: slots = entries
+    # ragged: slots = entries
+    assert cache.entries() == cache.allocated() <= L * G * B
     dense = [lc.dense(G) for lc in cache.layers]
     for lc in dense:
         real = lc.pos >= 0
@@ -371,8 +440,9 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
         assert all(torch.all(p[r_].diff() >= 0) for p, r_ in zip(lc.pos[0], real[0]))
     frontier = replay(plan, plan.B_alloc)
     per_unit = int(s.floor_frac * (B - r))
-    cx = GK.context(m, full, stats, r, s)                                     # the same seeds, fresh
-    if s.floor is GK.seed_floor:              # each unit's own best seeds, within its reservation
+    # the same seeds, fresh
+    cx = GK.context(m, full, stats, r, s, f)
+    if f.floor is GK.seed_floor:              # each unit's own best seeds, within its reservation
         k = min(max(per_unit, 0), len(cx.seeds))
         for j in range(U):
             best = sorted(cx.seeds, key=lambda t: (-float(cx.units.R[j, t]), -t))[:k]
@@ -391,7 +461,7 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     spans = lambda p: [(k, p.nodes[v].unit, p.nodes[v].a, p.nodes[v].b, c)
                        for k, v, g, c in p.steps]
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
-                       return_plan=True)[1]
+                       return_plan=True, formulas=f)[1]
     assert spans(same) == spans(plan)                                         # prefetch: speed only
     # gains equal up to the last bits (other batch shapes, other summation order)
     assert all(math.isclose(g0, g1, rel_tol=1e-12, abs_tol=1e-15)
@@ -415,8 +485,14 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
                 held += inside.long()
         assert int(held.max()) <= 1
         pic = "".join(line.split("|")[1] for line in GK.picture(plan, j, Tc))
-        assert len(pic) == Tc and pic.count("F") == int(plan.floor[j].sum()) and pic.count("x") == len(leaves)
-        assert sum(c.isalpha() and c not in "Fx" for c in pic) == sum(nd[i].n for i in mine if nd[i].n > 1)
+        assert (
+            len(pic) == Tc
+            and pic.count("F") == int(plan.floor[j].sum())
+            and pic.count("x") == len(leaves)
+        )
+        assert sum(c.isalpha() and c not in "Fx" for c in pic) == sum(
+            nd[i].n for i in mine if nd[i].n > 1
+        )
         exact = [t for t in range(Tc) if plan.floor[j, t]] + list(range(Tc, T)) + leaves
         assert int((lc.pos[0, g] >= 0).sum()) == len(mine) + int(plan.floor[j].sum()) + r
         for t in exact:                                                       # bit for bit
@@ -446,7 +522,8 @@ def test_greedy_to_all_leaves_is_fullkv(T, seed):
     plan = GK.allocate(cx, cx.units.kr.shape[0] * cx.Tc)
     replay(plan, plan.B_alloc)
     assert all(plan.nodes[i].n == 1 for i in plan.frontier)
-    got = M.decode(m, x[:, T:], GK.assemble(cx, full, plan))              # a ragged layer: another kernel
+    # a ragged layer: another kernel
+    got = M.decode(m, x[:, T:], GK.assemble(cx, full, plan))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -463,16 +540,22 @@ def test_bad_input():
 
 def test_rows_with_settings_in_brackets():
     import evaluate as E
-    got = GK.variant("gracekv-v1[seeds=64;hop_depths=(0.5, 1.0)]", 128)
-    base = GK.variant("gracekv-v1", 128).settings
+    got = V.variant("gracekv-v1[seeds=64;hop_depths=(0.5, 1.0)]", 128)
+    base = V.variant("gracekv-v1", 128)
     assert got.budget == 128 and got.settings.seeds == 64 and got.settings.hop_depths == (0.5, 1.0)
-    assert got.settings.key is base.key and got.settings.floor_frac == base.floor_frac
+    assert got.formulas == base.formulas and got.settings.floor_frac == base.settings.floor_frac
     assert E.method_list("full,gracekv[seeds=8;hop_depths=(0.5,1.0)],snapkv") == \
         ["full", "gracekv[seeds=8;hop_depths=(0.5,1.0)]", "snapkv"]
-    for bad in ("gracekv[nope=1]", "gracekv[key=1]", "gracekv[seeds=x]", "gracekv[seeds=1", "nokv[seeds=1]"):
+    for bad in (
+        "gracekv[nope=1]",
+        "gracekv[key=1]",
+        "gracekv[seeds=x]",
+        "gracekv[seeds=1",
+        "nokv[seeds=1]",
+    ):
         with pytest.raises(M.UsageError):
-            GK.variant(bad, 128)
-    assert GK.is_row("gracekv[seeds=1]") and not GK.is_row("snapkv")
+            V.variant(bad, 128)
+    assert V.is_row("gracekv[seeds=1]") and not V.is_row("snapkv")
 
 
 # ----------------------------------------------------------------------------- embedded model
@@ -480,21 +563,27 @@ def test_rows_with_settings_in_brackets():
 @pytest.mark.embedded
 def test_embedded_generate(embedded):
     m, tok = embedded
-    prompt = "The grass is green. The sky is blue. " * 12 + "The magic number is 4172. The magic number is"
+    prompt = (
+        "The grass is green. The sky is blue. " * 12
+        + "The magic number is 4172. The magic number is"
+    )
     T = len(tok.encode(prompt))
     assert M.generate(m, tok, prompt, GK.GraceKV(T), 8) == M.generate(m, tok, prompt, None, 8)
     cache = GK.GraceKV(48, GK.Settings(window=8, slot_min=8, slot_max=32)).prefill(
         m, torch.tensor([tok.encode(prompt)]))
-    assert GK.GraceKV(48).decoder is None and cache.entries() <= m.config.n_layers * m.config.n_kv_heads * 48
+    assert (
+        GK.GraceKV(48).decoder is None
+        and cache.entries() <= m.config.n_layers * m.config.n_kv_heads * 48
+    )
 
 
 @given(st.integers(16, 40), st.integers(0, 3))
 def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     """prototype_key = "post": for any query (at any later position) the prototype's logit is
     exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t."""
-    m, s = tiny(seed), GK.Settings(**{**SET.__dict__, "key": V.key_post})
+    m, s, f = tiny(seed), SET, GK.Formulas(key=V.key_post)
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
-    cx = GK.context(m, full, stats, s.window, s)
+    cx = GK.context(m, full, stats, s.window, s, f)
     g = torch.Generator().manual_seed(seed)
     U, Tc, G = cx.units.kr.shape[0], cx.Tc, m.config.n_kv_heads
     u = torch.randint(U, (10,), generator=g)
@@ -502,7 +591,8 @@ def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     b = torch.minimum(a + 2 + torch.randint(8, (10,), generator=g), torch.tensor(Tc))
     key = GK.node_stats(cx.units, u, a, b)["key"]                              # (10, D)
     for i in range(10):
-        k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]   # (n, D) post-RoPE
+        # (n, D) post-RoPE
+        k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]
         q = M.apply_rope(torch.randn(5, k.shape[1], generator=g, dtype=torch.float64),
                          torch.randint(T, 2 * T, (5,), generator=g), m.inv_freq)  # later positions
         torch.testing.assert_close(q @ key[i], (q @ k.T).mean(1), rtol=1e-12, atol=1e-12)
@@ -514,12 +604,16 @@ def test_budget_within_the_window_keeps_the_sink():
     full, stats = GK.observe(m, tokens(1, T), SET, chunk=CHUNK)
     cache = GK.compress(m, full, stats, B, SET)
     for lc in cache.layers:
-        assert lc.dense(m.config.n_kv_heads).pos[0].tolist() == [[0, T - 2, T - 1]] * m.config.n_kv_heads
+        assert (
+            lc.dense(m.config.n_kv_heads).pos[0].tolist()
+            == [[0, T - 2, T - 1]] * m.config.n_kv_heads
+        )
 
 
 @given(st.lists(st.floats(-5, 5), max_size=40), st.integers(0, 50))
 def test_peek_is_nsmallest_and_leaves_the_pop_order(gains, k):
-    """support.greedy.peek: the k best heap entries, and the heap pops in the same order after it."""
+    """support.greedy.peek: the k best heap entries, and the heap pops in the same order after
+    it."""
     import heapq
     heap = [(-g, i, "add", i) for i, g in enumerate(gains)]
     heapq.heapify(heap)

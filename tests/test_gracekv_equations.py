@@ -3,7 +3,7 @@ and compared with gracekv.py on a tiny random LLaMA (fp64). A transcription read
 own queries, keys and values (through a hook) and never calls the function it checks; where
 it needs a quantity another equation defines (R^tok in eq. 7, D in eq. 12), that quantity has
 its own transcription test here or in tests/test_gracekv.py. `gracekv` keeps no departure from
-these equations; the rows that do (support/gracekv_variants.py) are named where a test
+these equations; the rows that do (gracekv_variants.py) are named where a test
 exercises one (the eq. 12 mutation check: `gracekv-massgain`)."""
 import math
 import statistics
@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 import gracekv as GK
 import model as M
 from conftest import tiny as tiny_llama
-from support import gracekv_variants as V
+import gracekv_variants as V
 from test_gracekv import naive_propagate, tokens
 
 L, H, G, D = 2, 4, 2, 8                   # the tiny model: g = 2 query heads per KV head
@@ -280,11 +280,11 @@ def test_eq11_head_weights(T, seed):
 
 # ------------------------------------------------------------------------ eq. (2), floor, (12)-(13)
 
-def plan_for(seed, T, B, s=SET):
+def plan_for(seed, T, B, s=SET, f=None):
     m, x = tiny(seed), tokens(seed, T)
     full, flow = GK.observe(m, x, s, chunk=5)
-    cache, plan = GK.compress(m, full, flow, B, s, return_plan=True)
-    cx = GK.context(m, full, flow, s.window, s)                             # the same steps, fresh
+    cache, plan = GK.compress(m, full, flow, B, s, return_plan=True, formulas=f)
+    cx = GK.context(m, full, flow, s.window, s, f)                          # the same steps, fresh
     return m, x, full, cache, plan, cx
 
 
@@ -315,11 +315,11 @@ def leaf_tokens(plan, node):
     return [t for t in range(nd.a, nd.b) if not plan.floor[nd.unit, t]]
 
 
-def eq12_mismatches(seed, T, B, s):
+def eq12_mismatches(seed, T, B, s, f=None):
     """Count the gains of the plan that differ from eq. (12) computed on the eq. (6)-(8)
     transcription: Δ_add(root) = ω·R(root)·(D^drop − D(root));
     Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u))."""
-    m, x, full, cache, plan, cx = plan_for(seed, T, B, s)
+    m, x, full, cache, plan, cx = plan_for(seed, T, B, s, f)
     q, k, v, _ = observed(m, x)
     memo = {}
 
@@ -351,8 +351,8 @@ def test_eq12_gains_and_the_mutation_check(seed):
     T, B = 36, 14
     bad, splits = eq12_mismatches(seed, T, B, SET)
     assert bad == 0 and splits > 0
-    mass = replace(SET, **V.VARIANTS["gracekv-massgain"])
-    bad, splits = eq12_mismatches(seed, T, B, mass)
+    mass = GK.Formulas(**V.VARIANTS["gracekv-massgain"])
+    bad, splits = eq12_mismatches(seed, T, B, SET, mass)
     assert bad > 0, "the mass-weighted gain passed the eq. (12) check: it cannot tell them apart"
 
 

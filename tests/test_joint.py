@@ -1,4 +1,5 @@
-"""PolyKV's joint calibration (calibrate.py, the joint procedure): every score it records equals a naive full-model run
+"""PolyKV's joint calibration (calibrate.py, the joint procedure): every score it records equals a
+naive full-model run
 of the policy it stands for, the sweeps never raise the calibration KL, the budgets keep their
 sum, and the policy file says which procedure made it. Tiny random LLaMAs in fp64."""
 import pytest
@@ -35,7 +36,9 @@ def naive_cos(m, tx, policy, layer) -> float:
     for p, c in tx:
         p, c = torch.tensor([p]), torch.tensor([c])
         seen = []
-        spy = M.Hooks(post_kernel=lambda l, q, q_pos, lc, out: seen.append(out) if l == layer else None)
+        spy = M.Hooks(
+            post_kernel=lambda l, q, q_pos, lc, out: seen.append(out) if l == layer else None
+        )
         m.step(torch.cat((p, c), 1), m.new_cache(), spy)
         m.step(c, P.prefill(m, p, policy), spy)
         ref, got = seen[0][:, :, p.shape[1]:], seen[1]                    # (1, H, N, D)
@@ -53,8 +56,9 @@ def test_joint_scores_equal_naive_runs(seed, signal):
     L = m.config.n_layers
     sig = C.measure_joint(m, tx, B, signal=signal, settings=SET)
     for r in P.pool():                                   # every uniform rule, end to end
-        assert sig["uniform_kl"][r] == pytest.approx(naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET)),
-                                                     rel=1e-4, abs=1e-7)
+        assert sig["uniform_kl"][r] == pytest.approx(
+            naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET)), rel=1e-4, abs=1e-7
+        )
     assert sig["uniform_kl"][sig["start"]] == min(sig["uniform_kl"].values())
     uni = C.policy_of(sig["rules"], [B] * L, SET)      # the chosen rules at the uniform budget
     assert sig["sweeps"][-1]["kl"] == pytest.approx(naive_kl(m, tx, uni), rel=1e-4, abs=1e-7)
@@ -71,7 +75,9 @@ def test_joint_scores_equal_naive_runs(seed, signal):
     pol = C.build_joint(sig, B, SET)
     assert sum(lp.prefill[1] for lp in pol.layers) == L * B
     if sig["budget"]["alpha"] != "0":                  # budgets kept only when they helped
-        assert naive_kl(m, tx, pol) == pytest.approx(sig["budget"]["kl_by_alpha"][sig["budget"]["alpha"]], rel=1e-4)
+        assert naive_kl(m, tx, pol) == pytest.approx(
+            sig["budget"]["kl_by_alpha"][sig["budget"]["alpha"]], rel=1e-4
+        )
         assert naive_kl(m, tx, pol) < sig["sweeps"][-1]["kl"]
 
 
@@ -82,7 +88,9 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     f = tmp_path / "p.json"
     pol.save(f)
     again = P.Policy.load(f, n_layers=m.config.n_layers)
-    assert again.layers == pol.layers and again.meta["signals"]["rules"] == [lp.prefill[0] for lp in pol.layers]
+    assert again.layers == pol.layers and again.meta["signals"]["rules"] == [
+        lp.prefill[0] for lp in pol.layers
+    ]
     assert C.policy_path("x", 64, 0, tmp_path, "joint") != C.policy_path("x", 64, 0, tmp_path)
     assert "layers changed per sweep" in policy_tables.table_joint(pol)
     with pytest.raises(M.UsageError, match="procedure"):
@@ -90,17 +98,24 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     # a text-only joint policy is the file of `joint-text`; under the name of `joint` (whose
     # objective uses retrieval probes) it is refused, never silently reused
     pol.save(C.policy_path("x", B, 0, tmp_path, "joint-text"))
-    assert C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text").layers == pol.layers
+    assert (
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text").layers
+        == pol.layers
+    )
     pol.save(C.policy_path("x", B, 0, tmp_path, "joint"))
     with pytest.raises(M.UsageError, match="retrieval=None \\(asked 'constraint'\\)"):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint")
     # the calibration length: the default's files keep their names; another length has its own
     # file, and a file calibrated at one length is refused under another's name
-    assert C.policy_path("x", B, 0, tmp_path, "joint-text", C.PROMPT_LEN) == C.policy_path("x", B, 0, tmp_path, "joint-text")
+    assert C.policy_path("x", B, 0, tmp_path, "joint-text", C.PROMPT_LEN) == C.policy_path(
+        "x", B, 0, tmp_path, "joint-text"
+    )
     longer = C.policy_path("x", B, 0, tmp_path, "joint-text", 8000)
     assert longer.name == f"polykv-joint-text-x-B{B}-T8000-seed0-{C.TEXT_VERSION}.json"
     pol.save(longer)
-    with pytest.raises(M.UsageError, match=f"prompt_len={pol.meta['calibration']['prompt_len']} \\(asked 8000\\)"):
+    with pytest.raises(
+        M.UsageError, match=f"prompt_len={pol.meta['calibration']['prompt_len']} \\(asked 8000\\)"
+    ):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text", prompt_len=8000)
     with pytest.raises(M.UsageError, match="joint procedures only"):
         C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])
@@ -108,7 +123,8 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
 
 @torch.no_grad()
 def naive_probe(m, probes, policy) -> float:
-    """A retrieval probe's answer ΔNLL per token (answer tokens 1..n−1), full-model runs as naive_kl."""
+    """A retrieval probe's answer ΔNLL per token (answer tokens 1..n−1), full-model runs as
+    naive_kl."""
     out = []
     for p, a in probes:
         p, a = torch.tensor([p]), torch.tensor([a])
@@ -128,17 +144,27 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
     are admissible (probe loss <= τ, the best uniform rule's)."""
     m, tx = tiny(seed), texts(seed)
     g = torch.Generator().manual_seed(seed + 7)
-    probes = [(torch.randint(1, 50, (40,), generator=g).tolist(), torch.randint(1, 50, (5,), generator=g).tolist())
-              for _ in range(2)]
+    probes = [
+        (
+            torch.randint(1, 50, (40,), generator=g).tolist(),
+            torch.randint(1, 50, (5,), generator=g).tolist(),
+        )
+        for _ in range(2)
+    ]
     L = m.config.n_layers
-    pol = C.calibrate_joint(m, None, B, texts=tx, probe_pairs=probes, retrieval=retrieval, settings=SET)
+    pol = C.calibrate_joint(
+        m, None, B, texts=tx, probe_pairs=probes, retrieval=retrieval, settings=SET
+    )
     sig = pol.meta["signals"]
     for r in P.pool():
-        assert sig["uniform_probe"][r] == pytest.approx(naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET)),
-                                                        rel=1e-4, abs=1e-7)
+        assert sig["uniform_probe"][r] == pytest.approx(
+            naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET)), rel=1e-4, abs=1e-7
+        )
     assert sig["final"]["kl"] == pytest.approx(naive_kl(m, tx, pol), rel=1e-4, abs=1e-7)
     assert sig["final"]["probe"] == pytest.approx(naive_probe(m, probes, pol), rel=1e-4, abs=1e-7)
-    assert pol.meta["calibration"]["probes"] == 2 and pol.meta["calibration"]["retrieval"] == retrieval
+    assert (
+        pol.meta["calibration"]["probes"] == 2 and pol.meta["calibration"]["retrieval"] == retrieval
+    )
     if retrieval == "constraint":
         assert sig["tau"] == min(sig["uniform_probe"].values())
         assert sig["uniform_probe"][sig["start"]] <= sig["tau"] + 1e-12
@@ -150,7 +176,9 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
             assert sc[kept] <= min(sc[r] for r in pr if pr[r] <= sig["tau"] + 1e-12) + 1e-12
     else:                                              # the weighted start: KL + w·probe
         w = retrieval
-        assert sig["start"] == min(P.pool(), key=lambda r: sig["uniform_kl"][r] + w * sig["uniform_probe"][r])
+        assert sig["start"] == min(
+            P.pool(), key=lambda r: sig["uniform_kl"][r] + w * sig["uniform_probe"][r]
+        )
 
 
 
@@ -173,9 +201,14 @@ def naive_harness_kl(m, tx, policy) -> float:
     kls = []
     for p, c in tx:
         p, c = torch.tensor([p]), torch.tensor([c])
-        ref = m.step(torch.cat((p, c[:, :-1]), 1), m.new_cache())[0, p.shape[1] - 1:].float().log_softmax(-1)
+        ref = (
+            m.step(torch.cat((p, c[:, :-1]), 1), m.new_cache())[0, p.shape[1] - 1 :]
+            .float()
+            .log_softmax(-1)
+        )
         cache = P.prefill(m, p, policy)
-        got = torch.cat((cache.last_logits, m.step(c[:, :-1], cache)[0])).float().log_softmax(-1)   # (n, V)
+        # (n, V)
+        got = torch.cat((cache.last_logits, m.step(c[:, :-1], cache)[0])).float().log_softmax(-1)
         kls.append(float((ref.exp() * (ref - got)).sum(-1).clamp_min(0).mean()))
     return sum(kls) / len(kls)
 

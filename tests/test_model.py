@@ -78,7 +78,8 @@ def run64(m, fn, *args):
     """(fn(*args), the logits it computed in fp64 (B, n, V)); fn: m, prefill, decode or m.step.
 
     Llama.step returns logits rounded to fp32, which would hide fp64 differences up to ~1e-7;
-    a forward hook reads lm_head's output before that rounding (and checks it is what fn returned)."""
+    a forward hook reads lm_head's output before that rounding (and checks it is what fn
+    returned)."""
     outs = []
     h = m.lm_head.register_forward_hook(lambda mod, inp, out: outs.append(out.detach()))
     try:
@@ -139,14 +140,17 @@ def naive_logits(m, tokens, keep=None):
                     K[l][b][j].append(k[j])
                     V[l][b][j].append(v[j])
                 for i in range(H):
-                    j = i // (H // G)                                         # KV head of query head i
+                    # KV head of query head i
+                    j = i // (H // G)
                     s = torch.stack(K[l][b][j]) @ q[i] / math.sqrt(D)         # (t+1,)
                     if keep is not None and t == T - 1:
                         s[:-1] = s[:-1].masked_fill(~keep[l][b, j], float("-inf"))
                     heads.append(torch.softmax(s, 0) @ torch.stack(V[l][b][j]))
                 x = x + at.o_proj(torch.cat(heads))
                 h = rms(x, blk.post_attention_layernorm.weight, eps)
-                x = x + blk.mlp.down_proj(torch.nn.functional.silu(blk.mlp.gate_proj(h)) * blk.mlp.up_proj(h))
+                x = x + blk.mlp.down_proj(
+                    torch.nn.functional.silu(blk.mlp.gate_proj(h)) * blk.mlp.up_proj(h)
+                )
             out[b, t] = m.lm_head(rms(x, m.norm.weight, eps))
     return out
 
@@ -210,7 +214,8 @@ def test_sdpa_equals_explicit_attention(cfg, seed, T):
 
 
 def mha_from_gqa(m: model.Llama) -> model.Llama:
-    """The MHA model whose KV head h is the GQA model's KV head h // g (k/v_proj blocks repeated)."""
+    """The MHA model whose KV head h is the GQA model's KV head h // g (k/v_proj blocks
+    repeated)."""
     cfg = m.config
     H, G, D, g = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     sd = {}
@@ -252,13 +257,20 @@ def test_rope_score_depends_only_on_relative_position(D, theta, scaling, seed, d
     inv = model.rope_inv_freq(cfg)
     g = torch.Generator().manual_seed(seed)
     q, k = torch.randn(3, D, generator=g, dtype=F64), torch.randn(3, D, generator=g, dtype=F64)
-    dots = [(model.apply_rope(q, torch.tensor(mm), inv) * model.apply_rope(k, torch.tensor(mm - d), inv)).sum(-1)
-            for mm in ms]
+    dots = [
+        (
+            model.apply_rope(q, torch.tensor(mm), inv)
+            * model.apply_rope(k, torch.tensor(mm - d), inv)
+        ).sum(-1)
+        for mm in ms
+    ]
     for x in dots[1:]:
         assert torch.allclose(x, dots[0], rtol=0, atol=1e-12)
     # and the rotation itself is complex multiplication in the HF rotate_half layout
     p = torch.tensor(ms)[:, None, None]                                     # (n, 1, 1)
-    assert torch.allclose(model.apply_rope(q, p[..., 0], inv), rope_complex(q, p, inv), rtol=0, atol=1e-12)
+    assert torch.allclose(
+        model.apply_rope(q, p[..., 0], inv), rope_complex(q, p, inv), rtol=0, atol=1e-12
+    )
 
 
 @given(shape=st.tuples(st.integers(1, 2), st.integers(1, 3), st.integers(1, 6)),
@@ -286,7 +298,9 @@ def meta_apply_scaling(freqs, factor, low_freq_factor, high_freq_factor, old_con
         elif wavelen > low_freq_wavelen:
             new_freqs.append(freq / factor)
         else:
-            smooth = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            smooth = (old_context_len / wavelen - low_freq_factor) / (
+                high_freq_factor - low_freq_factor
+            )
             new_freqs.append((1 - smooth) * freq / factor + smooth * freq)
     return new_freqs
 
@@ -298,7 +312,9 @@ def test_llama3_rope_scaling_matches_meta_reference(D, theta):
     freqs = [1.0 / theta ** (i / D) for i in range(0, D, 2)]
     want = meta_apply_scaling(freqs, 8.0, 1.0, 4.0, 8192)
     # Config.from_hf accepts the HF dict and keeps it; the plain frequencies without scaling
-    cfg = model.Config.from_hf({**model.Config(head_dim=D, rope_theta=theta).to_hf(), "rope_scaling": sc})
+    cfg = model.Config.from_hf(
+        {**model.Config(head_dim=D, rope_theta=theta).to_hf(), "rope_scaling": sc}
+    )
     got = model.rope_inv_freq(cfg)
     plain = model.rope_inv_freq(replace(cfg, rope_scaling=None))
     # 1e-15 relative: torch's pow and Python's ** may differ in the last bit
@@ -316,7 +332,8 @@ def test_llama3_rope_scaling_matches_meta_reference(D, theta):
 def test_gathered_cache_equals_masked_full_attention(cfg, seed, B, T, data):
     """Keep a different subset per (layer, batch, KV head) with LayerCache.gather, then decode one
     token: equals the naive model attending to the full cache with the other keys masked to −inf.
-    Setting bias = −inf, or pos = −1, on the dropped entries instead of removing them is the same."""
+    Setting bias = −inf, or pos = −1, on the dropped entries instead of removing them is the
+    same."""
     m = random_model(cfg, seed, sdpa=data.draw(st.booleans(), label="sdpa"))
     toks = tokens_for(cfg, B, T + 1, seed)
     n_keep = data.draw(st.integers(1, T), label="kept per head")
@@ -340,7 +357,9 @@ def test_gathered_cache_equals_masked_full_attention(cfg, seed, B, T, data):
         for lc, k in zip(masked.layers, keep):
             setattr(lc, field, getattr(lc, field).masked_fill(~k, absent))
         # 1e-12, not exact: the softmax and P·V sum over S instead of S' entries (zeros added)
-        assert torch.allclose(run64(m, model.decode, m, toks[:, T:], masked)[1][:, -1], got, **EXACT)
+        assert torch.allclose(
+            run64(m, model.decode, m, toks[:, T:], masked)[1][:, -1], got, **EXACT
+        )
     assert full.entries() == cfg.n_layers * B * cfg.n_kv_heads * T
 
 
@@ -471,8 +490,13 @@ def test_generate_refuses_too_long_prompt(tmp_path):
     assert out == [int(logits[len(ids) - 1 + i].argmax()) for i in range(len(out))]
 
 
-@pytest.mark.parametrize("argv, msg", [(["--model", "/nonexistent"], "error: model folder"),
-                                       (["--max-new-tokens", "-3"], "error: --max-new-tokens must be >= 0, got -3")])
+@pytest.mark.parametrize(
+    "argv, msg",
+    [
+        (["--model", "/nonexistent"], "error: model folder"),
+        (["--max-new-tokens", "-3"], "error: --max-new-tokens must be >= 0, got -3"),
+    ],
+)
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, str(ROOT / "model.py"), *argv],
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -622,7 +646,9 @@ def test_bf16_cache_keeps_the_bias_in_fp32():
     cfg = model.Config(vocab_size=40, dim=32, n_layers=1, n_heads=4, n_kv_heads=2, head_dim=8,
                        hidden_dim=48, max_seq_len=64, tie_embeddings=False)
     m = model.Llama(cfg).to(torch.bfloat16).eval()
-    cache = model.prefill(m, torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(2)))
+    cache = model.prefill(
+        m, torch.randint(0, 40, (1, 12), generator=torch.Generator().manual_seed(2))
+    )
     lc = cache.layers[0]
     assert lc.k.dtype == torch.bfloat16 and lc.bias.dtype == torch.float32
     bias = lc.bias.clone()

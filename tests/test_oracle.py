@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import baselines  # noqa: F401  (registers K-norm, Expected Attention, KVzip)
 import model as M
 import oracle
 from support import checkpoint, tasks
@@ -20,7 +21,9 @@ GOLDEN = Path(__file__).resolve().parent / "golden"
 @pytest.fixture(scope="module")
 def tiny():
     cfg = M.Config.from_hf(checkpoint.read_config(GOLDEN / "tiny-llama"))
-    return M.from_state_dict(cfg, checkpoint.read_weights(GOLDEN / "tiny-llama"), "cpu", torch.float32)
+    return M.from_state_dict(
+        cfg, checkpoint.read_weights(GOLDEN / "tiny-llama"), "cpu", torch.float32
+    )
 
 
 @pytest.fixture(scope="module")
@@ -30,7 +33,9 @@ def golden():
 
 def kept(tiny, golden, rule, settings):
     x = torch.tensor([golden["tokens"]])
-    cache = P.Policy.uniform(rule, golden["n_kept"], tiny.config.n_layers, "append", settings).prefill(tiny, x)
+    cache = P.Policy.uniform(
+        rule, golden["n_kept"], tiny.config.n_layers, "append", settings
+    ).prefill(tiny, x)
     return [[lc.pos[0, g].tolist() for g in range(tiny.config.n_kv_heads)] for lc in cache.layers]
 
 
@@ -60,9 +65,15 @@ def test_kvpress_knorm_differs_only_at_exact_ties(tiny, golden):
 
 def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
     x = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(3))
-    method = oracle.make_method("snapkv", 24, tiny.config.n_layers, P.RuleSettings(window=8, kernel=3))
+    method = oracle.make_method(
+        "snapkv", 24, tiny.config.n_layers, P.RuleSettings(window=8, kernel=3)
+    )
     t, h = oracle.dump(tiny, x, method, "snapkv", 24, n_probe=4, n_decode=3, model_name="tiny")
-    assert t["pos"].shape == (2, 2, 24) and t["scores"].shape == (2, 2, 90) and t["out"].shape == (2, 4, 7, 16)
+    assert (
+        t["pos"].shape == (2, 2, 24)
+        and t["scores"].shape == (2, 2, 90)
+        and t["out"].shape == (2, 4, 7, 16)
+    )
     a = tmp_path / "a.safetensors"
     oracle.write(a, t, h)
     res = oracle.compare(a, a)
@@ -80,7 +91,9 @@ def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
     assert not res["passed"] and [(u["layer"], u["head"]) for u in res["bad"]] == [(1, 0)]
     u = res["bad"][0]
     assert u["jaccard"] == pytest.approx(23 / 25) and u["diverge"] is not None
-    order = (89 - torch.sort(t["scores"][1, 0].double().flip(0), descending=True, stable=True).indices).tolist()
+    order = (
+        89 - torch.sort(t["scores"][1, 0].double().flip(0), descending=True, stable=True).indices
+    ).tolist()
     assert u["diverge"][0] == min(order.index(dropped), order.index(outside))
     # one changed bias in layer 0, head 1: flagged there only
     bias = t["bias"].clone()
@@ -88,7 +101,9 @@ def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
     c = tmp_path / "c.safetensors"
     oracle.write(c, {**t, "bias": bias}, h)
     res = oracle.compare(a, c)
-    assert [(u["layer"], u["head"]) for u in res["bad"]] == [(0, 1)] and res["bad"][0]["bias_err"] == 0.5
+    assert [(u["layer"], u["head"]) for u in res["bad"]] == [(0, 1)] and res["bad"][0][
+        "bias_err"
+    ] == 0.5
 
 
 def test_cli_dump_compare_exit_codes(tmp_path):
@@ -100,27 +115,60 @@ def test_cli_dump_compare_exit_codes(tmp_path):
     folder.mkdir()
     for f in (GOLDEN / "tiny-llama").iterdir():
         (folder / f.name).write_bytes(f.read_bytes())
-    Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0")).save(str(folder / "tokenizer.json"))
-    run = lambda *a: subprocess.run([sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True)
+    Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0")).save(
+        str(folder / "tokenizer.json")
+    )
+    run = lambda *a: subprocess.run(
+        [sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True
+    )
     for method, out in (("tova", "a"), ("h2o", "b"), ("adakv", "c"), ("kvzip", "d")):
-        r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method", method,
-                "--budget", "40", "--out", str(tmp_path / f"{out}.st"))
+        r = run(
+            "dump",
+            "--model",
+            str(folder),
+            "--tokens",
+            str(tmp_path / "t.json"),
+            "--method",
+            method,
+            "--budget",
+            "40",
+            "--out",
+            str(tmp_path / f"{out}.st"),
+        )
         assert r.returncode == 0, r.stderr
     same, other = run("compare", str(tmp_path / "a.st"), str(tmp_path / "a.st")), \
         run("compare", str(tmp_path / "a.st"), str(tmp_path / "b.st"))
     assert same.returncode == 0 and "4/4 (layer, KV head) units agree (100.0 %)" in same.stdout
     assert other.returncode == 1 and other.stdout.strip().endswith("FAIL")
-    for f in ("c", "d"):          # head-wise (ragged) caches dump as padded kept sets and round-trip
+    # head-wise (ragged) caches dump as padded kept sets and round-trip
+    for f in ("c", "d"):
         r = run("compare", str(tmp_path / f"{f}.st"), str(tmp_path / f"{f}.st"))
-        assert r.returncode == 0 and "4/4 (layer, KV head) units agree" in r.stdout, r.stdout + r.stderr
+        assert r.returncode == 0 and "4/4 (layer, KV head) units agree" in r.stdout, (
+            r.stdout + r.stderr
+        )
     bad = run("compare", str(tmp_path / "a.st"), str(tmp_path / "t.json"))
     assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read")
     assert "Traceback" not in bad.stderr
-    for text, why in (('[1, 2', "is not JSON"), ('{"a": 1}', "non-empty JSON list of integer"),
-                      ('[1, 2.5]', "non-empty JSON list of integer"), ('[1, 128]', "token id 128 is outside")):
+    for text, why in (
+        ('[1, 2', "is not JSON"),
+        ('{"a": 1}', "non-empty JSON list of integer"),
+        ('[1, 2.5]', "non-empty JSON list of integer"),
+        ('[1, 128]', "token id 128 is outside"),
+    ):
         (tmp_path / "bad.json").write_text(text)
-        r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "bad.json"), "--method", "tova",
-                "--budget", "40", "--out", str(tmp_path / "bad.st"))
+        r = run(
+            "dump",
+            "--model",
+            str(folder),
+            "--tokens",
+            str(tmp_path / "bad.json"),
+            "--method",
+            "tova",
+            "--budget",
+            "40",
+            "--out",
+            str(tmp_path / "bad.st"),
+        )
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad.st").exists()
 
@@ -130,9 +178,14 @@ def kept_by(tiny, golden, name):
     KVzip's reconstruction prompt in the golden folder's character tokenizer."""
     tok = checkpoint.Tokenizer(GOLDEN / "tiny-llama" / "tokenizer.json")
     s = P.RuleSettings(**{**P.KVPRESS.__dict__, "repeat": tasks.reconstruction_prompt(tok)})
-    cache = oracle.make_method(name, golden["n_kept"], tiny.config.n_layers, s).prefill(tiny, torch.tensor([golden["tokens"]]))
+    cache = oracle.make_method(name, golden["n_kept"], tiny.config.n_layers, s).prefill(
+        tiny, torch.tensor([golden["tokens"]])
+    )
     G = tiny.config.n_kv_heads
-    return [[lc.dense(G).pos[0, g][lc.dense(G).pos[0, g] >= 0].tolist() for g in range(G)] for lc in cache.layers]
+    return [
+        [lc.dense(G).pos[0, g][lc.dense(G).pos[0, g] >= 0].tolist() for g in range(G)]
+        for lc in cache.layers
+    ]
 
 
 @pytest.mark.parametrize("name", ["expected", "adakv", "kvzip"])
@@ -145,4 +198,7 @@ def test_new_baselines_reproduce_kvpress_kept_sets(tiny, golden, name):
     assert ours == golden["kept"][name]
     if name != "expected":
         counts = [len(h) for layer in ours for h in layer]
-        assert len(set(counts)) > 1 and sum(counts) == tiny.config.n_layers * tiny.config.n_kv_heads * golden["n_kept"]
+        assert (
+            len(set(counts)) > 1
+            and sum(counts) == tiny.config.n_layers * tiny.config.n_kv_heads * golden["n_kept"]
+        )

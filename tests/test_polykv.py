@@ -5,12 +5,14 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import baselines  # noqa: F401  (registers K-norm, Expected Attention, KVzip)
 import model as M
 import polykv as P
 from model import UsageError
 from conftest import REPEAT, tiny as tiny_llama
 
-SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3, repeat=REPEAT)   # small enough for tiny prompts
+# small enough for tiny prompts
+SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3, repeat=REPEAT)
 COMPRESSING = tuple(P.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
 ALL = ("full",) + COMPRESSING
 
@@ -93,16 +95,23 @@ def test_scores_equal_naive_recomputation(T, seed):
         assert torch.allclose(stats[l]["window"][0], A[:, -w:].sum(1), atol=1e-12)
         # H2O: group mean of column sums; SnapKV: window sums on j < T−w, max-pooled, group mean
         for rule in ("h2o", "snapkv", "tova"):
-            sc, prot = P.score(rule, P.ScoreInput(stats[l], full.layers[l].k, l, SET, full.layers[l].v))
+            sc, prot = P.score(
+                rule, P.ScoreInput(stats[l], full.layers[l].k, l, SET, full.layers[l].v)
+            )
             for gk in range(G):
                 heads = range(gk * H // G, (gk + 1) * H // G)
                 if rule == "h2o":
-                    want = [sum(float(A[h, :, j].sum()) for h in heads) / len(heads) for j in range(T)]
+                    want = [
+                        sum(float(A[h, :, j].sum()) for h in heads) / len(heads) for j in range(T)
+                    ]
                 elif rule == "tova":
                     want = [sum(float(A[h, -1, j]) for h in range(H)) / H for j in range(T)]
                 else:
                     raw = [[float(A[h, -w:, j].sum()) for j in range(T - w)] for h in heads]
-                    pool = [[max(r[max(0, j - k // 2): j + k // 2 + 1]) for j in range(T - w)] for r in raw]
+                    pool = [
+                        [max(r[max(0, j - k // 2) : j + k // 2 + 1]) for j in range(T - w)]
+                        for r in raw
+                    ]
                     want = [sum(p[j] for p in pool) / len(pool) for j in range(T - w)] + [0.0] * w
                 assert torch.allclose(sc[0, gk], torch.tensor(want, dtype=sc.dtype), atol=1e-12)
                 budget = T // 2
@@ -180,8 +189,13 @@ def test_tova_decode_keeps_top_under_current_query():
     seen = {}
 
     def spy(layer, q, q_pos, lc, out):   # naive A of the new query over the b+1 entries
-        seen[layer] = (M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)[0, :, -1].mean(0), lc.pos[0, 0].clone())
-    M.decode(m, tokens[:, T:], cache, M.Hooks(post_kernel=spy, cache_update=pol.decoder.cache_update))
+        seen[layer] = (
+            M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)[0, :, -1].mean(0),
+            lc.pos[0, 0].clone(),
+        )
+    M.decode(
+        m, tokens[:, T:], cache, M.Hooks(post_kernel=spy, cache_update=pol.decoder.cache_update)
+    )
     for l, lc in enumerate(cache.layers):
         a, pos = seen[l]
         want = sorted(pos[j].item() for j in naive_topk(a.tolist(), b, [False] * len(a)))
@@ -190,13 +204,26 @@ def test_tova_decode_keeps_top_under_current_query():
 
 def test_policy_json_round_trip_and_errors(tmp_path):
     L = 4
-    pol = P.Policy([P.LayerPolicy(("snapkv", 30), ("append", 30)), P.LayerPolicy(("tova", 10), ("tova", 10)),
-                    P.LayerPolicy(("h2o", 20), ("h2o", 20)), P.LayerPolicy(("streaming", 20), ("streaming", 20))],
-                   20, SET, {"model": "tiny"})
+    pol = P.Policy(
+        [
+            P.LayerPolicy(("snapkv", 30), ("append", 30)),
+            P.LayerPolicy(("tova", 10), ("tova", 10)),
+            P.LayerPolicy(("h2o", 20), ("h2o", 20)),
+            P.LayerPolicy(("streaming", 20), ("streaming", 20)),
+        ],
+        20,
+        SET,
+        {"model": "tiny"},
+    )
     f = tmp_path / "p.json"
     pol.save(f)
     back = P.Policy.load(f, n_layers=L)
-    assert back.layers == pol.layers and back.budget == 20 and back.settings == SET and back.meta == {"model": "tiny"}
+    assert (
+        back.layers == pol.layers
+        and back.budget == 20
+        and back.settings == SET
+        and back.meta == {"model": "tiny"}
+    )
     assert back.rescaled(40).layers[0].prefill == ("snapkv", 60)
     assert [lp.prefill[1] for lp in back.rescaled(40).layers] == [60, 20, 40, 40]
 
@@ -227,10 +254,19 @@ def test_policy_json_round_trip_and_errors(tmp_path):
 def test_causal_probs_equal_attention_probs(T, chunk, seed):
     """The observation pass's reduced-mask probabilities = the explicit attention's, every chunk."""
     g = torch.Generator().manual_seed(seed)
-    q, k = torch.randn(2, 4, T, 8, generator=g, dtype=torch.float64), torch.randn(2, 2, T, 8, generator=g, dtype=torch.float64)
+    q, k = torch.randn(2, 4, T, 8, generator=g, dtype=torch.float64), torch.randn(
+        2, 2, T, 8, generator=g, dtype=torch.float64
+    )
     pos = torch.arange(T).expand(2, T)
     for c1 in range(T, 0, -chunk):
         c0 = max(0, c1 - chunk)
-        want = M.attention_probs(q[:, :, c0:c1], k[:, :, :c1], torch.zeros(2, 2, c1, dtype=torch.float64),
-                                 pos[:, c0:c1], pos[:, None, :c1].expand(2, 2, c1))
-        assert torch.allclose(P.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0)
+        want = M.attention_probs(
+            q[:, :, c0:c1],
+            k[:, :, :c1],
+            torch.zeros(2, 2, c1, dtype=torch.float64),
+            pos[:, c0:c1],
+            pos[:, None, :c1].expand(2, 2, c1),
+        )
+        assert torch.allclose(
+            P.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0
+        )

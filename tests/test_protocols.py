@@ -29,8 +29,15 @@ def by_head(lc, G):
     for g in range(G):
         real = lc.pos[0, g] >= 0
         pos = lc.pos[0, g, real]
-        out.append((sorted(pos.tolist()), {int(p): (lc.k[0, g, real][i], lc.v[0, g, real][i], lc.bias[0, g, real][i])
-                                           for i, p in enumerate(pos)}))
+        out.append(
+            (
+                sorted(pos.tolist()),
+                {
+                    int(p): (lc.k[0, g, real][i], lc.v[0, g, real][i], lc.bias[0, g, real][i])
+                    for i, p in enumerate(pos)
+                },
+            )
+        )
     return out
 
 
@@ -52,8 +59,12 @@ def test_cut_sees_the_question_and_slices_every_key_statistic():
         lg = (q @ k.transpose(-1, -2)) / k.shape[-1] ** 0.5
         lg = lg.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
         a = torch.softmax(lg, -1)                                            # (1, H, T, T) naive
-        torch.testing.assert_close(pobs.stats[l]["window"], a[:, :, -4:, A:B_].sum(2), rtol=1e-10, atol=1e-12)
-        torch.testing.assert_close(pobs.stats[l]["colsum"], a[:, :, :, A:B_].sum(2), rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(
+            pobs.stats[l]["window"], a[:, :, -4:, A:B_].sum(2), rtol=1e-10, atol=1e-12
+        )
+        torch.testing.assert_close(
+            pobs.stats[l]["colsum"], a[:, :, :, A:B_].sum(2), rtol=1e-10, atol=1e-12
+        )
         assert part.layers[l].pos[0, 0].tolist() == list(range(A, B_))
         assert torch.equal(part.layers[l].k, full.layers[l].k[:, :, A:B_])
     assert part.next_pos == T and torch.equal(part.last_logits, full.last_logits)
@@ -66,9 +77,22 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
     rule; L·G·B in all for every method), and FullKV's join is the FullKV cache itself."""
     m, x = tiny(), tokens()
     L, G, budget = 2, 2, 12
-    meth = E.method(name, budget, L, P.RuleSettings(window=4)) if name != "gracekv" else \
-        GK.GraceKV(budget, GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
-                                       seeds=3, evidence=4))
+    meth = (
+        E.method(name, budget, L, P.RuleSettings(window=4))
+        if name != "gracekv"
+        else GK.GraceKV(
+            budget,
+            GK.Settings(
+                window=4,
+                slot_min=3,
+                slot_max=8,
+                slot_target=5,
+                bend_widths=(2, 3),
+                seeds=3,
+                evidence=4,
+            ),
+        )
+    )
     needs = P.union([meth.needs(m)], L)
     full, obs = P.observe(m, x, needs)
     part, pobs = PR.cut(full, obs, needs, A, B_)
@@ -76,13 +100,18 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
     cache = PR.join(full, comp, A, B_)
     free = A + T - B_
     want = L * G * (B_ - A) if name == "full" else L * G * budget
-    assert comp.entries() == want if name in ("full", "snapkv", "tova", "h2o", "adakv") else comp.entries() <= want
+    assert (
+        comp.entries() == want
+        if name in ("full", "snapkv", "tova", "h2o", "adakv")
+        else comp.entries() <= want
+    )
     assert cache.entries() == comp.entries() + L * G * free
     for l in range(L):
         exact = by_head(full.layers[l], G)
         for g, (pos, ent) in enumerate(by_head(cache.layers[l], G)):
             kept = [p for p in pos if A <= p < B_]
-            assert pos == list(range(A)) + kept + list(range(B_, T))        # sorted, prefix and question whole
+            # sorted, prefix and question whole
+            assert pos == list(range(A)) + kept + list(range(B_, T))
             for p in list(range(A)) + list(range(B_, T)):
                 assert all(torch.equal(a, b) for a, b in zip(ent[p], exact[g][1][p]))
     if name == "full":
@@ -98,7 +127,7 @@ def test_gracekv_cut_keeps_each_strided_query_at_its_token():
     m, x = tiny(), tokens()
     flows = {}
     for stride in (4, 1):
-        needs = P.Needs(extra=(("flow", GK.ValueFlow(4, 0, (0, 1), stride)),))
+        needs = P.Needs(extra=(("flow", GK.ValueFlow(4, (0, 1), stride)),))
         full, obs = P.observe(m, x, needs)
         flows[stride] = [needs.extra[0][1].cut(v, A, B_) for v in obs.extra["flow"]]
     for l in range(2):
@@ -106,8 +135,11 @@ def test_gracekv_cut_keeps_each_strided_query_at_its_token():
         assert ph1 == 0 and ph4 == 3 and (A + ph4) % 4 == 0
         assert torch.equal(s4, s1[:, ph4::4]) and torch.equal(x4, x1) and torch.equal(q4, q1)
         assert torch.equal(q1, obs.extra["flow"][l][2][:, A:B_]) and q1.shape[1] == B_ - A
-        q, k = obs.extra["flow"][l][2], full.layers[l].k[0].repeat_interleave(2, 0)   # (H, T, D) each
-        lg = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(torch.ones(T, T).triu(1).bool(), -math.inf)
+        # (H, T, D) each
+        q, k = obs.extra["flow"][l][2], full.layers[l].k[0].repeat_interleave(2, 0)
+        lg = (q @ k.transpose(1, 2) / q.shape[-1] ** 0.5).masked_fill(
+            torch.ones(T, T).triu(1).bool(), -math.inf
+        )
         torch.testing.assert_close(n1, lg.logsumexp(-1)[:, A:B_], rtol=1e-12, atol=1e-12)
         assert torch.equal(n4, n1)
 
@@ -130,16 +162,45 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     exact in each; the charged fraction is B over what each protocol compresses (the whole
     prompt, prefix + context, the context); fidelity rows are the same under all three; a
     rerun does nothing twice."""
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path),
-            "--budget", "24", "--methods", "full,snapkv,tova,gracekv", "--tasks", "niah_single_1",
-            "--length", "400", "--samples", "2", "--fidelity-length", "80", "--fidelity-samples", "1",
-            "--cont-len", "6", "--max-new-tokens", "3", "--protocol", "prompt,context,agnostic"]
+    args = [
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float64",
+        "--out",
+        str(tmp_path),
+        "--budget",
+        "24",
+        "--methods",
+        "full,snapkv,tova,gracekv",
+        "--tasks",
+        "niah_single_1",
+        "--length",
+        "400",
+        "--samples",
+        "2",
+        "--fidelity-length",
+        "80",
+        "--fidelity-samples",
+        "1",
+        "--cont-len",
+        "6",
+        "--max-new-tokens",
+        "3",
+        "--protocol",
+        "prompt,context,agnostic",
+    ]
     E.main(args)
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == len({r["key"] for r in rows}) == 3 * 4 * 3
     assert all("score" in r for r in rows if r["task"] == "niah_single_1")
-    items = {it.index: it for it in E.build_items(M.load(tiny_dir)[1], E.parse(args), M.load(tiny_dir)[0])
-             if it.task == "niah_single_1"}
+    items = {
+        it.index: it
+        for it in E.build_items(M.load(tiny_dir)[1], E.parse(args), M.load(tiny_dir)[0])
+        if it.task == "niah_single_1"
+    }
     for r in rows:
         if r["method"] == "full":
             assert r["kl"] == 0 and r["dnll"] == 0 and r["kv_fraction"] == 1
@@ -151,22 +212,48 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     fid = {}
     for r in rows:
         if r["task"] == "fidelity":
-            fid.setdefault(r["method"], set()).add(json.dumps({k: v for k, v in r.items()
-                                                               if k not in ("key", "protocol", "compress_s", "prefill_s")}))
+            fid.setdefault(r["method"], set()).add(
+                json.dumps(
+                    {
+                        k: v
+                        for k, v in r.items()
+                        if k not in ("key", "protocol", "compress_s", "prefill_s")
+                    }
+                )
+            )
     assert all(len(v) == 1 for v in fid.values()) and len(fid) == 4
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {d["protocol"] for d in summary["rows"]} == {"prompt", "context", "agnostic"}
-    # the header's prefill: `prompt` and `context` share one observation per prompt, `agnostic` has its own
-    obs = {kind: {(r["task"], r["index"]): r["prefill_s"] for r in rows if (r["protocol"] == "agnostic") == (kind == "a")}
-           for kind in "sa"}
-    assert all(r["prefill_s"] == obs["s"][r["task"], r["index"]] for r in rows if r["protocol"] != "agnostic")
+    # the header's prefill: `prompt` and `context` share one observation per prompt, `agnostic` has
+    # its own
+    obs = {
+        kind: {
+            (r["task"], r["index"]): r["prefill_s"]
+            for r in rows
+            if (r["protocol"] == "agnostic") == (kind == "a")
+        }
+        for kind in "sa"
+    }
+    assert all(
+        r["prefill_s"] == obs["s"][r["task"], r["index"]]
+        for r in rows
+        if r["protocol"] != "agnostic"
+    )
     mean = lambda d: round(sum(d.values()) / len(d), 2)
-    assert (summary["config"]["prefill_s"], summary["config"]["prefill_agnostic_s"]) == (mean(obs["s"]), mean(obs["a"]))
+    assert (summary["config"]["prefill_s"], summary["config"]["prefill_agnostic_s"]) == (
+        mean(obs["s"]),
+        mean(obs["a"]),
+    )
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
-    E.main(args + ["--greedy", "", "--out", str(tmp_path / "nll"), "--methods", "full,snapkv"])   # ΔNLL only
-    quiet = [json.loads(line) for line in (tmp_path / "nll" / "samples.jsonl").read_text().splitlines()]
-    assert {r["task"] for r in quiet} == {"fidelity", "niah_single_1"} and not any("score" in r for r in quiet)
+    # ΔNLL only
+    E.main(args + ["--greedy", "", "--out", str(tmp_path / "nll"), "--methods", "full,snapkv"])
+    quiet = [
+        json.loads(line) for line in (tmp_path / "nll" / "samples.jsonl").read_text().splitlines()
+    ]
+    assert {r["task"] for r in quiet} == {"fidelity", "niah_single_1"} and not any(
+        "score" in r for r in quiet
+    )
     same = {r["key"]: r["dnll"] for r in rows}
     assert all(r["dnll"] == same[r["key"]] for r in quiet)
 
@@ -177,31 +264,66 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     (prefix + context + that question under context / agnostic): its answer ΔNLL against a
     fresh full prefill of that prompt is 0 up to summation order; summaries carry later / spread."""
     from support import tasks as TK
-    args = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--out", str(tmp_path),
-            "--budget", "32", "--methods", "full,snapkv", "--tasks", "niah_multineedle_turns",
-            "--length", "900", "--samples", "1", "--fidelity-samples", "0", "--max-new-tokens", "2",
-            "--protocol", "prompt,context,agnostic"]
+    args = [
+        "--model",
+        str(tiny_dir),
+        "--device",
+        "cpu",
+        "--dtype",
+        "float64",
+        "--out",
+        str(tmp_path),
+        "--budget",
+        "32",
+        "--methods",
+        "full,snapkv",
+        "--tasks",
+        "niah_multineedle_turns",
+        "--length",
+        "900",
+        "--samples",
+        "1",
+        "--fidelity-samples",
+        "0",
+        "--max-new-tokens",
+        "2",
+        "--protocol",
+        "prompt,context,agnostic",
+    ]
     E.main(args)
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sorted((r["method"], r["protocol"], r["turn"]) for r in rows) == sorted(
-        (m, p, t) for m in ("full", "snapkv") for p in ("prompt", "context", "agnostic") for t in range(4))
+        (m, p, t)
+        for m in ("full", "snapkv")
+        for p in ("prompt", "context", "agnostic")
+        for t in range(4)
+    )
     assert all(r["kl"] == 0 and r["dnll"] == 0 for r in rows if r["method"] == "full")
     m, tok = M.load(tiny_dir, dtype=torch.float64)
     it = [i for i in E.build_items(tok, E.parse(args), m) if i.task == "niah_multineedle_turns"][0]
     assert len(it.turns) == 3 and TK.NIAH["niah_multineedle_turns"]["turns"]
     q, smp, gold = it.turns[1]
     whole = torch.cat((it.tokens[:, :it.tokens.shape[1] - it.split[1]], q), 1)
-    assert whole[0].tolist() == tok.encode(smp.prompt)                      # the question's own prompt
+    # the question's own prompt
+    assert whole[0].tolist() == tok.encode(smp.prompt)
     fresh, _ = M.teacher_force(m, M.prefill(m, whole), gold)
-    (n_pre, n_q), T = it.split, it.tokens.shape[1]        # evaluate's FullKV base for a later question
+    # evaluate's FullKV base for a later question
+    (n_pre, n_q), T = it.split, it.tokens.shape[1]
     full, obs = P.observe(m, it.tokens, P.Needs())
-    base = PR.join(full, PR.cut(full, obs, P.Needs(), n_pre, T - n_q)[0], n_pre, T - n_q, question=False)
+    base = PR.join(
+        full, PR.cut(full, obs, P.Needs(), n_pre, T - n_q)[0], n_pre, T - n_q, question=False
+    )
     M.decode(m, q, base)
     fed, _ = M.teacher_force(m, base, gold)
     torch.testing.assert_close(fed, fresh, rtol=1e-9, atol=1e-9)
     summary = json.loads((tmp_path / "summary.json").read_text())["rows"]
     tasks = {d["task"] for d in summary}
-    assert {"niah_multineedle_turns later", "niah_multineedle_turns spread", "answer later", "answer spread"} <= tasks
+    assert {
+        "niah_multineedle_turns later",
+        "niah_multineedle_turns spread",
+        "answer later",
+        "answer spread",
+    } <= tasks
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
 
@@ -214,35 +336,71 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     question changes (compression never sees it), while under `context` it changes."""
     from dataclasses import replace
     m, tok = M.load(tiny_dir, dtype=torch.float64)
-    args = E.parse(["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks", "niah_multineedle_turns",
-                    "--length", "900", "--samples", "1", "--fidelity-samples", "0", "--max-new-tokens", "2"])
-    args.allowance = 4096                             # no decoder evicts (evaluate.main sizes it to the items)
+    args = E.parse(
+        [
+            "--model",
+            str(tiny_dir),
+            "--dtype",
+            "float64",
+            "--budget",
+            "32",
+            "--tasks",
+            "niah_multineedle_turns",
+            "--length",
+            "900",
+            "--samples",
+            "1",
+            "--fidelity-samples",
+            "0",
+            "--max-new-tokens",
+            "2",
+        ]
+    )
+    # no decoder evicts (evaluate.main sizes it to the items)
+    args.allowance = 4096
     it = [i for i in E.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
     methods, names, protocols = E.Methods(m, tok, args), ["full", "snapkv", "gracekv"], PR.PROTOCOLS
-    strip = lambda rows, *more: {r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
-                                 for r in rows}
+    strip = lambda rows, *more: {
+        r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
+        for r in rows
+    }
     together = strip(E.run_item(m, tok, methods, names, [32], it, set(), protocols))
-    alone = strip([r for p in protocols for r in E.run_item(m, tok, methods, names, [32], it, set(), (p,))])
+    alone = strip(
+        [r for p in protocols for r in E.run_item(m, tok, methods, names, [32], it, set(), (p,))]
+    )
     assert together == alone and len(together) == 3 * 3 * 4
-    one = replace(it, turns=[it.turns[2]])                                    # question 3 alone after the context
+    # question 3 alone after the context
+    one = replace(it, turns=[it.turns[2]])
     single = strip(E.run_item(m, tok, methods, names, [32], one, set(), protocols), "key", "turn")
     for key, r in single.items():
         if key.endswith("|q1"):
-            assert r == {k: v for k, v in together[key[:-1] + "3"].items() if k not in ("key", "turn")}
-    kept = {}                                         # B = 64: more than the window, so scores decide
+            assert r == {
+                k: v for k, v in together[key[:-1] + "3"].items() if k not in ("key", "turn")
+            }
+    # B = 64: more than the window, so scores decide
+    kept = {}
     for name in ("snapkv", "gracekv"):
         meth = methods.get(name, 64)
         plain = meth.compress
-        meth.compress = lambda model, full, obs, plain=plain: kept.setdefault(len(kept), plain(model, full, obs))
+        meth.compress = lambda model, full, obs, plain=plain: kept.setdefault(
+            len(kept), plain(model, full, obs)
+        )
         n_q = it.split[1]
         other = it.tokens.clone()
-        other[:, -n_q:] = torch.randint(5, 250, (1, n_q), generator=torch.Generator().manual_seed(1))
+        other[:, -n_q:] = torch.randint(
+            5, 250, (1, n_q), generator=torch.Generator().manual_seed(1)
+        )
         for p in ("agnostic", "context"):
             caches = []
             for toks in (it.tokens, other):
                 kept.clear()
-                E.run_item(m, tok, methods, [name], [64], replace(it, tokens=toks, turns=[]), set(), (p,))
+                E.run_item(
+                    m, tok, methods, [name], [64], replace(it, tokens=toks, turns=[]), set(), (p,)
+                )
                 caches.append(kept[0])
-            same = all(torch.equal(a.pos, b.pos) and torch.equal(a.k, b.k) for a, b in zip(*(c.layers for c in caches)))
+            same = all(
+                torch.equal(a.pos, b.pos) and torch.equal(a.k, b.k)
+                for a, b in zip(*(c.layers for c in caches))
+            )
             assert same == (p == "agnostic"), (name, p)
         meth.compress = plain

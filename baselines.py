@@ -1,0 +1,214 @@
+"""The baselines newer than PolyKV's pattern pool that a 2026 reader compares with, each
+written the way a new rule is added (README, "Add your own rule"): a scoring function registered
+in polykv's rule registry (so PolyKV's calibration pool holds it too) and, where it reads more
+than the prompt's own attention, the statistic it observes (polykv.statistic).
+
+ 1. K-norm (Devoto et al. 2024): keep the keys of lowest L2 norm.
+ 2. Expected Attention (Devoto et al. 2025): the attention future queries are expected to pay,
+    from a Gaussian fitted to the prompt's queries, times the value norm.
+ 3. KVzip (Kim et al. 2025): the most attention an entry receives while the model reconstructs
+    the prompt (an extra pass), per head; its own allocation is global (section 4).
+ 4. Head-wise allocations over one rule's scores: AdaKV (Feng et al. 2024) within a layer,
+    KVzip's over the whole model.
+
+Notation as in polykv.py: B batch, T prompt tokens, H query heads, G KV heads, D head dim,
+L layers. The conventions are NVIDIA kvpress 0.5.5's (its presses are cited per function).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+import model as M
+import polykv as P
+from model import Cache
+from support.errors import UsageError
+
+
+# ============================================================================= 1. K-norm
+
+@P.rule("knorm")
+def knorm(x: P.ScoreInput):
+    """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
+    Compression"; kvpress `KnormPress`): keys with a *low* L2 norm draw more attention, so
+    s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the norm
+    of the post-RoPE key is the norm of the key."""
+    B, G, T = x.shape
+    return -x.k.double().norm(dim=-1), P.none_protected(T, x.k.device)
+
+
+# ============================================================================ 2. Expected Attention
+
+def query_stats(q, q_pos, inv_freq, n_sink: int, future: int):
+    """Expected Attention's query statistics (kvpress `ExpectedAttentionPress.get_query_statistics`
+    and `apply_avg_rope`): the queries q (B, H, T, D) un-rotated to pre-RoPE (RoPE⁻¹ at their
+    positions), those at positions >= n_sink kept; μ = mean, Σ = Σ_i (q_i − μ)(q_i − μ)ᵀ / n;
+    then R̄ = mean_{p = T..T+future−1} R_p, the RoPE matrix averaged over the next positions,
+    gives μ' = R̄μ, Σ' = R̄ΣR̄ᵀ. Returns (μ' (B, H, D), Σ' (B, H, D, D)) in fp32 (fp64)."""
+    B, H, T, D = q.shape
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qp = M.apply_rope(q.to(acc), -q_pos[:, None, :], inv_freq)[:, :, n_sink:]    # (B, H, n, D)
+    mu = qp.mean(2)                                                            # (B, H, D)
+    c = qp - mu[:, :, None]
+    cov = c.transpose(-1, -2) @ c / qp.shape[2]                               # (B, H, D, D)
+    eye = torch.eye(D, dtype=acc, device=q.device)
+    ahead = torch.arange(T, T + future, device=q.device)[:, None]             # (future, 1)
+    # (D, D) = R̄ᵀ (rows e_i -> R̄ e_i)
+    Rt = M.apply_rope(eye.expand(future, D, D), ahead, inv_freq).mean(0)
+    return mu @ Rt, Rt.T @ cov @ Rt
+
+
+def expected_queries(q, q_pos, model, needs: P.Needs):
+    """The `queries` statistic of one layer during the prefill: query_stats of its queries."""
+    return query_stats(q, q_pos, model.inv_freq, needs.n_sink, needs.future)
+
+
+P.statistic("queries", per_layer=expected_queries)
+
+
+@P.rule("expected", needs={"queries"})
+def expected(x: P.ScoreInput):
+    """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by
+    Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`):
+    future q ~ N(μ', Σ') (`queries`), E[exp(q·k/√D)] = exp(μ'·k/√D + ½kᵀΣ'k/D); per query head
+    a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖; sinks kept."""
+    B, G, T = x.shape
+    n = x.settings.n_sink
+    # (B, H, D), (B, H, D, D)
+    mu, cov = x.stats["queries"]
+    H, D = mu.shape[1:]
+    k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
+    logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
+    sc = P.group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
+    return F.pad(sc, (n, 0)), P.sinks(T, n, x.k.device)
+
+
+# ============================================================================= 3. KVzip
+
+@torch.no_grad()
+def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink: int = 4,
+                chunk: int = 2048, overlap: int = 8) -> dict:
+    """KVzip's scores (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
+    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt fed again after a fork of
+    the FullKV cache (left as it was) behind a repeat instruction (later chunks: + the `overlap`
+    tokens before) and the suffix. Per query u of that pass, A_rec[h,u,·] = softmax over the
+    sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec."""
+    if not repeat:
+        raise UsageError(
+            "kvzip needs the reconstruction prompt: "
+            "polykv.RuleSettings(repeat=tasks.reconstruction_prompt(tok))"
+        )
+    B, T = tokens.shape
+    first, later, suffix = (
+        torch.tensor([r], dtype=torch.long, device=tokens.device).expand(B, -1) for r in repeat
+    )
+    acc = torch.float64 if model.dtype == torch.float64 else torch.float32
+    out = {
+        l: torch.zeros(B, model.config.n_heads, T, dtype=acc, device=tokens.device) for l in layers
+    }
+    for a in range(0, T, chunk):
+        b, sink = min(T, a + chunk), min(n_sink, a)
+        lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
+        ids = torch.cat((lead, suffix, tokens[:, a:b]), 1)                       # (B, n)
+
+        def spy(layer, q, q_pos, lc, o):
+            if layer not in out:
+                return
+            n = q.shape[2]                                  # keys: sinks, chunk, the pass's own
+            k = torch.cat((lc.k[:, :, :sink], lc.k[:, :, a:b], lc.k[:, :, -n:]), 2)
+            for c0 in range(0, n, 256):                     # query chunks: no (H, n, n) at once
+                c1 = min(n, c0 + 256)
+                p = P.causal_probs(q[:, :, c0:c1], k[:, :, :k.shape[2] - n + c1], sink + b - a + c0)
+                out[layer][..., a:b] = torch.maximum(
+                    out[layer][..., a:b], p[..., sink : sink + b - a].amax(2)
+                )
+
+        model.step(ids, full.fork(), M.Hooks(post_kernel=spy), last_only=True)
+    return out
+
+
+def kvzip_scores(model, full: Cache, tokens, needs: P.Needs, layers: list) -> dict:
+    """The `recon` statistic: `reconstruct` after the prefill, for the layers that read it."""
+    return reconstruct(model, full, tokens, needs.repeat, layers, needs.n_sink)
+
+
+P.statistic("recon", after=kvzip_scores)
+
+
+@P.rule("kvzip", needs={"recon"})
+def kvzip(x: P.ScoreInput):
+    """KVzip (Kim et al. 2025; kvpress `KVzipPress`): s_j = max over the group of `recon`, the
+    most attention j receives while the model repeats the prompt; sinks kept; query-agnostic.
+    This per-head form is PolyKV's pool rule; KVzip's own allocation is global (`ALLOCATIONS`)."""
+    B, G, T = x.shape
+    r = x.stats["recon"]
+    return r.view(B, G, r.shape[1] // G, T).amax(2), P.sinks(T, x.settings.n_sink, x.k.device)
+
+
+# ========================================================================= 4. head-wise allocations
+
+# Allocations over one rule's scores that give KV heads different budgets: name -> (rule,
+# scope, safeguard α). `adakv-RULE` is AdaKV over any registered rule.
+ALLOCATIONS = {"adakv": ("snapkv", "layer", 0.2),     # Feng et al. 2024; kvpress AdaKVPress
+               # Kim et al. 2025; kvpress KVzipPress(layerwise=False)
+               "kvzip": ("kvzip", "model", 0.0)}
+
+
+def allocation(name: str) -> Optional[tuple]:
+    """(rule, scope, α) of an allocation name, None if `name` is not one."""
+    if name.startswith("adakv-") and name[6:] in P.RULES:
+        return (name[6:],) + ALLOCATIONS["adakv"][1:]
+    return ALLOCATIONS.get(name)
+
+
+@dataclass
+class Headwise(P.Method):
+    """Head-wise budgets over a rule's scores, stored ragged (model.LayerCache.ragged: each KV
+    head holds exactly its entries, so allocated slots = entries). scope "layer" (AdaKV: Feng et
+    al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation"; kvpress
+    `AdaKVPress`): a layer keeps its G·B best (head, entry) pairs, each head first guaranteed its
+    top n_safe = max(1, ⌊α·B⌋) (kvpress `alpha_safeguard` = 0.2). scope "model" (KVzip, kvpress
+    `layerwise=False`): the L·G·B best pairs of all layers and heads, no safeguard. Protected
+    entries first; ties to the later (layer, head, position). Decoding appends (as kvpress)."""
+    rule: str
+    budget: int
+    scope: str = "layer"
+    alpha: float = 0.2
+    settings: P.RuleSettings = field(default_factory=P.RuleSettings)
+
+    def needs(self, model) -> P.Needs:
+        return P.Policy.uniform(
+            self.rule, self.budget, model.config.n_layers, "append", self.settings
+        ).needs(model)
+
+    def compress(self, model, full: Cache, obs: P.Observation) -> Cache:
+        B, G, T, _ = full.layers[0].k.shape
+        if self.budget >= T:
+            return Cache(list(full.layers), full.next_pos, full.last_logits)
+        dev = full.layers[0].k.device        # the selection runs where the scores are
+        scores = []
+        for l, lc in enumerate(full.layers):
+            sc, prot = P.score(self.rule, P.ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
+            sc = sc[0].double().to(dev).masked_fill(prot.to(dev), float("inf"))     # (G, T)
+            if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
+                n_safe = max(1, int(self.budget * self.alpha))
+                # (G, n_safe)
+                top = P.select(sc[None], n_safe, P.none_protected(T, dev))[0]
+                sc = sc.scatter(1, top, float("inf"))
+            scores.append(sc)
+        # the best pairs of each group: (L', G, T) bool
+        kept = []
+        for sc in ([torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]):
+            none = P.none_protected(sc.numel(), dev)
+            idx = P.select(sc.reshape(1, 1, -1), sc.shape[0] * G * self.budget, none)
+            kept.append(none.index_fill(0, idx[0, 0], True).view(sc.shape))
+        kept = torch.cat(kept)                                                         # (L, G, T)
+        # every head's kept positions from one nonzero and one read of the counts (two host
+        # synchronisations in all, not one per (layer, head))
+        at = kept.nonzero()[:, 2].split(kept.sum(-1).flatten().tolist())   # [(S_lg,)] * L·G
+        return Cache([lc.ragged(list(at[l * G:(l + 1) * G])) for l, lc in enumerate(full.layers)],
+                     full.next_pos, full.last_logits)
