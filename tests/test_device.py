@@ -104,6 +104,7 @@ class Made:
     def __init__(self, methods: dict):
         self.methods = methods
         self.args = SimpleNamespace(greedy=None, max_new_tokens=0)
+        self.memo = GK.context_memo()
 
     def get(self, name, budget):
         return self.methods[name, budget]

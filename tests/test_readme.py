@@ -1,6 +1,6 @@
 """Every Python block of the README and of docs/ runs as written on the embedded model (each in
 its own process: a block may register a rule). A block that starts with a decorator line
-`@rule(` is an excerpt of polykv.py and must appear there verbatim."""
+`@P.rule(` is an excerpt of baselines.py and must appear there verbatim."""
 import os
 import re
 import subprocess
@@ -22,8 +22,8 @@ def test_pages_have_blocks():
 @pytest.mark.embedded
 @pytest.mark.parametrize("page,i,code", BLOCKS, ids=[f"{p}#{i}" for p, i, _ in BLOCKS])
 def test_block_runs(page, i, code, embedded):
-    if code.startswith("@rule("):
-        assert code in (ROOT / "polykv.py").read_text()
+    if code.startswith("@P.rule("):
+        assert code in (ROOT / "baselines.py").read_text()
         return
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
