@@ -49,12 +49,8 @@ def timed_pair(fa, fb, repeat: int):
         ta.append(timed(fa, 1)[0])
         t, out = timed(fb, 1)
         tb.append(t)
-    return (
-        statistics.median(ta),
-        statistics.median(tb),
-        statistics.median(b / a for a, b in zip(ta, tb)),
-        out,
-    )
+    return (statistics.median(ta), statistics.median(tb),
+            statistics.median(b / a for a, b in zip(ta, tb)), out)
 
 
 def decode_ms(m, cache, steps: int, repeat: int, decoder=None) -> float:
@@ -146,11 +142,8 @@ def main(argv=None):
     ap.add_argument("--model", default=None)
     ap.add_argument("--length", type=cli.int_list, default=[2048],
                     help="prompt lengths of the observation benchmark (comma list)")
-    ap.add_argument(
-        "--methods",
-        default=None,
-        help="methods of the compression table (default: the default methods)",
-    )
+    ap.add_argument("--methods", default=None,
+                    help="methods of the compression table (default: the default methods)")
     ap.add_argument("--budget", type=cli.int_list, default=[128, 512])
     ap.add_argument("--contexts", type=cli.int_list, default=[128, 2048, 8000],
                     help="FullKV decoding contexts")

@@ -41,13 +41,8 @@ LLAMA_31_8B = M.Config(
     rope_theta=500000.0,
     max_seq_len=131072,
     tie_embeddings=False,
-    rope_scaling={
-        "rope_type": "llama3",
-        "factor": 8.0,
-        "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192,
-    },
+    rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                  "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
     bos_id=128000,
     eos_ids=(128001, 128008, 128009),
 )

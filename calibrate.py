@@ -369,22 +369,10 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
 # -------------------------------------------------------------------- calibrate once, keep the file
 
 
-def calibrate(
-    model,
-    tok,
-    budget: int,
-    seed: int = 0,
-    n_prompts: int = 2,
-    prompt_len: int = PROMPT_LEN,
-    cont_len: int = CONT_LEN,
-    preference: str = "cosine",
-    sensitivity: str = "entropy",
-    b_min=None,
-    settings: RuleSettings = RuleSettings(),
-    texts=None,
-    model_name: str = "",
-    log=None,
-) -> Policy:
+def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2,
+              prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN, preference: str = "cosine",
+              sensitivity: str = "entropy", b_min=None, settings: RuleSettings = RuleSettings(),
+              texts=None, model_name: str = "", log=None) -> Policy:
     """The paper's procedure: measure the signals on the calibration set once and build the
     policy. texts: optional [(prompt_ids, cont_ids)] in place of `calibration_set` (then tok
     is unused)."""
@@ -430,16 +418,8 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
             f"{k}={have.get(k)!r} (asked {v!r})"
             for k, v in asked.items()
             if k
-            in (
-                "preference",
-                "sensitivity",
-                "n_prompts",
-                "prompt_len",
-                "cont_len",
-                "probes",
-                "retrieval",
-                "pool",
-            )
+            in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes",
+                "retrieval", "pool")
             and have.get(k) != v
         ]
         if diff:
@@ -669,12 +649,8 @@ def measure_joint(
     start = min(pool, key=lambda r: goal.key(uniform[r], uniform[r].kl))
     assign, cur = [start] * L, uniform[start]
     xs = [[x0[i]] + cur.streams[i] for i in range(len(refs))]         # stream entering each layer
-    sig = {
-        "signal": signal,
-        "uniform_kl": {r: uniform[r].kl for r in pool},
-        "start": start,
-        "sweeps": [],
-    }
+    sig = {"signal": signal, "uniform_kl": {r: uniform[r].kl for r in pool}, "start": start,
+           "sweeps": []}
     if probes:
         sig.update(retrieval=retrieval, tau=None if goal.tau == math.inf else goal.tau,
                    uniform_probe={r: uniform[r].probe for r in pool})
@@ -708,12 +684,8 @@ def measure_joint(
                 for i in range(len(refs)):
                     xs[i][l + 1:] = cand[best].streams[i]
         sig["sweeps"].append(
-            {
-                "scores": scores,
-                "changed": changed,
-                "kl": cur.kl,
-                **({"probe_scores": probe_scores, "probe": cur.probe} if probes else {}),
-            }
+            {"scores": scores, "changed": changed, "kl": cur.kl,
+             **({"probe_scores": probe_scores, "probe": cur.probe} if probes else {})}
         )
         log(
             f"sweep {sweep + 1}: {len(changed)} layers changed, KL {cur.kl:.4f}"
@@ -781,24 +753,11 @@ def build_joint(
 JOINT_PROBES, JOINT_RETRIEVAL = 4, "constraint"
 
 
-def calibrate_joint(
-    model,
-    tok,
-    budget: int,
-    seed: int = 0,
-    n_prompts: int = 2,
-    prompt_len: int = PROMPT_LEN,
-    cont_len: int = CONT_LEN,
-    signal: str = "cosine",
-    needles: int = 0,
-    probes: int = JOINT_PROBES,
-    retrieval=JOINT_RETRIEVAL,
-    settings: RuleSettings = RuleSettings(),
-    texts=None,
-    probe_pairs=None,
-    model_name: str = "",
-    log=None,
-) -> Policy:
+def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2,
+                    prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN, signal: str = "cosine",
+                    needles: int = 0, probes: int = JOINT_PROBES, retrieval=JOINT_RETRIEVAL,
+                    settings: RuleSettings = RuleSettings(), texts=None, probe_pairs=None,
+                    model_name: str = "", log=None) -> Policy:
     """The joint procedure on the calibration set (texts: as in `calibrate`). needles: that
     many dev-split niah_single_1 prompts join the texts, their gold answer as the continuation.
     probes: that many retrieval probes from the dev text (tasks.calibration_facts; probe_pairs:
@@ -810,16 +769,8 @@ def calibrate_joint(
     settings = with_prompt(settings, tok)
     _, _, meta = set_meta(model, tok, texts, budget, seed, model_name, needles)
     meta["calibration"].update(probes=len(probe_pairs), retrieval=retrieval)
-    sig = measure_joint(
-        model,
-        texts,
-        budget,
-        signal,
-        settings=settings,
-        log=log,
-        probes=probe_pairs,
-        retrieval=retrieval,
-    )
+    sig = measure_joint(model, texts, budget, signal, settings=settings, log=log,
+                        probes=probe_pairs, retrieval=retrieval)
     return build_joint(sig, budget, settings, meta)
 
 
@@ -848,19 +799,9 @@ def shuffled(policy: Policy, n: int, seed: int = 0) -> list:
 
 
 @torch.no_grad()
-def placement_control(
-    model,
-    tok,
-    policy: Policy,
-    n: int = 100,
-    split: str = "dev",
-    n_prompts: int = 4,
-    prompt_len: int = PROMPT_LEN,
-    cont_len: int = CONT_LEN,
-    seed: int = 0,
-    texts=None,
-    log=None,
-) -> dict:
+def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "dev",
+                      n_prompts: int = 4, prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN,
+                      seed: int = 0, texts=None, log=None) -> dict:
     """Fidelity KL (evaluate.py's, at equal memory: decode budgets grow by the continuation) of
     the calibrated route and of n `shuffled` ones on n_prompts natural-text passages of `split`
     (tasks.fidelity_text with `seed`; texts: given [(prompt_ids, cont_ids)] instead); rank 1 =
@@ -885,18 +826,10 @@ def placement_control(
         if log:
             log(f"placement control, {split} prompt {i + 1}/{len(texts)}")
     mean = [sum(k) / len(k) for k in kls]
-    return {
-        "split": split,
-        "seed": seed,
-        "n": n,
-        "prompts": len(texts),
-        "budget": policy.budget,
-        "procedure": policy.meta.get("procedure", "paper"),
-        "route_kl": mean[0],
-        "shuffled_kl": mean[1:],
-        "rank": 1 + sum(m <= mean[0] for m in mean[1:]),
-        "per_prompt": kls,
-    }
+    return {"split": split, "seed": seed, "n": n, "prompts": len(texts), "budget": policy.budget,
+            "procedure": policy.meta.get("procedure", "paper"), "route_kl": mean[0],
+            "shuffled_kl": mean[1:], "rank": 1 + sum(m <= mean[0] for m in mean[1:]),
+            "per_prompt": kls}
 
 
 def main(argv=None):
@@ -956,18 +889,8 @@ def main(argv=None):
             m, tok = M.load(a.model)
             res = []
             for f, pol in zip(a.show, pols):
-                r = placement_control(
-                    m,
-                    tok,
-                    pol,
-                    a.shuffle,
-                    a.split,
-                    a.n_prompts,
-                    a.prompt_len,
-                    a.cont_len,
-                    a.seed,
-                    log=print,
-                )
+                r = placement_control(m, tok, pol, a.shuffle, a.split, a.n_prompts, a.prompt_len,
+                                      a.cont_len, a.seed, log=print)
                 print(f"{f}: {placement(r)}")
                 res.append({"policy": str(f), **r})
             if a.out:

@@ -329,14 +329,8 @@ def run_item(
             if todo
             for r in run_protocol(model, tok, methods, item, p, todo, shared)
         ]
-    rows = run_protocol(
-        model,
-        tok,
-        methods,
-        item,
-        "prompt",
-        list(dict.fromkeys(nb for v in asked.values() for nb in v)),
-    )
+    rows = run_protocol(model, tok, methods, item, "prompt",
+                        list(dict.fromkeys(nb for v in asked.values() for nb in v)))
     return [{**r, "key": result_key(r["method"], r["budget"], item, p), "protocol": p}
             for p, todo in asked.items() for r in rows if (r["method"], r["budget"]) in todo]
 
@@ -429,20 +423,10 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
         cache = PR.join(full, comp, a, b) if protocol == "context" else comp
         t_c = time.perf_counter() - t0 + own_pass(model, method, obs)
         for turn, ((make, free, target, sample), ref) in enumerate(zip(questions, refs)):
-            r = Row(
-                result_key(name, budget, item, protocol, turn),
-                name,
-                budget,
-                item.task,
-                item.length,
-                item.index,
-                T,
-                kv_fraction=kept / (L * G * (b - a)),
-                compress_s=round(t_c, 4),
-                prefill_s=round(t_p, 4),
-                protocol=protocol,
-                turn=turn if item.turns else None,
-            )
+            r = Row(result_key(name, budget, item, protocol, turn), name, budget, item.task,
+                    item.length, item.index, T, kv_fraction=kept / (L * G * (b - a)),
+                    compress_s=round(t_c, 4), prefill_s=round(t_p, 4), protocol=protocol,
+                    turn=turn if item.turns else None)
             here = make(cache.fork(), comp)
             if ref is not None:
                 stepwise, ref_lp, (ref_entries, ref_slots) = ref
@@ -540,16 +524,8 @@ def build_items(tok, args, model):
                 gold = tok.encode(s.prompt + s.gold)[len(ids):] if s.gold else None
                 split = PR.split(tok, ids, s) if cut or s.asks else None
                 items.append(
-                    Item(
-                        task,
-                        i,
-                        length,
-                        as_t(ids),
-                        s,
-                        as_t(gold) if gold else None,
-                        split,
-                        [(as_t(q), smp, as_t(g)) for q, smp, g in PR.turns(tok, ids, s, split)],
-                    )
+                    Item(task, i, length, as_t(ids), s, as_t(gold) if gold else None, split,
+                         [(as_t(q), smp, as_t(g)) for q, smp, g in PR.turns(tok, ids, s, split)])
                 )
     if args.data:
         for i, s in enumerate(LB.load_longbench(args.data, tok, model.config.max_seq_len - 256)):
@@ -798,21 +774,8 @@ def main(argv=None):
     torch.manual_seed(args.seed)
     keyed = {
         k: getattr(args, k)
-        for k in (
-            "model_name",
-            "tasks",
-            "length",
-            "samples",
-            "fidelity_length",
-            "fidelity_samples",
-            "cont_len",
-            "max_new_tokens",
-            "data",
-            "policy",
-            "seed",
-            "split",
-            "memory",
-        )
+        for k in ("model_name", "tasks", "length", "samples", "fidelity_length", "fidelity_samples",
+                  "cont_len", "max_new_tokens", "data", "policy", "seed", "split", "memory")
     }
     keyed["dtype"] = str(m.dtype)
     # (absent by default: earlier runs keep their folders)
@@ -905,15 +868,8 @@ def main(argv=None):
             eta = (time.time() - t0) / n_run * (len(mine) - n_run)
             print(
                 ("" if world == 1 else f"rank {rank} ")
-                + report.progress(
-                    [r for r in rows if report.protocol(r) == args.protocol[0]],
-                    item,
-                    args.methods,
-                    args.budget[0],
-                    i,
-                    len(items),
-                    eta,
-                ),
+                + report.progress([r for r in rows if report.protocol(r) == args.protocol[0]], item,
+                                  args.methods, args.budget[0], i, len(items), eta),
                 flush=True,
             )
     barrier(world)
@@ -965,13 +921,8 @@ def summarize(args, config, out, rows, m, t_start):
         mine = [r for r in rows if report.protocol(r) == p]
         summary += [
             {**d, "protocol": p}
-            for d in report.summarize(
-                mine,
-                args.methods,
-                args.budget,
-                baselines(),
-                [n for n in args.methods if family(n) == "polykv"],
-            )
+            for d in report.summarize(mine, args.methods, args.budget, baselines(),
+                                      [n for n in args.methods if family(n) == "polykv"])
         ]
     # None: --report
     config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)

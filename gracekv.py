@@ -390,12 +390,8 @@ def node_stats(cx: Units, unit, a, b, skip=None) -> dict:
     [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none):
     `_node_stats` over batches of similar lengths (support.greedy.by_length)."""
     skip = torch.full_like(a, -1) if skip is None else skip
-    return by_length(
-        lambda *x: _node_stats(cx, *x),
-        (unit, a, b, skip),
-        b - a,
-        cap=max(1, (1 << 21) // cx.lg.shape[2]),
-    )
+    return by_length(lambda *x: _node_stats(cx, *x), (unit, a, b, skip), b - a,
+                     cap=max(1, (1 << 21) // cx.lg.shape[2]))
 
 
 def _node_stats(cx: Units, u, a, b, skip, n):
@@ -536,11 +532,8 @@ def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
     heads and the sampled layers (those whose queries the flow kept): (1 − forward)·A[idx, :]
     (what tokens idx < Tc read) + forward·A[:, idx]ᵀ (who reads them), A[i, j] = exp(q_i·k_j/√D
     − lse_i) with the observed normalisers (the whole prompt's, also under `context`)."""
-    H, G, every = (
-        model.config.n_heads,
-        model.config.n_kv_heads,
-        torch.arange(Tc, device=full.layers[0].k.device),
-    )
+    H, G, every = (model.config.n_heads, model.config.n_kv_heads,
+                   torch.arange(Tc, device=full.layers[0].k.device))
     layers = [l for l, q in enumerate(flow.queries) if q is not None]
 
     # (H, n, m) causal, queries at, keys
@@ -791,10 +784,8 @@ def best_splits(cx, plan: Plan, ids: list):
     c_bis, c_ext = valid[:2].sum(0) - 1, (valid[2:].sum(0) - 1).clamp(min=1)
     use_ext = g_ext / c_ext > g_bis / c_bis.clamp(min=1)
     cx.units.hole[u[use_ext], t[use_ext]] = True
-    gain, cost = (
-        torch.where(use_ext, g_ext, g_bis).tolist(),
-        torch.where(use_ext, c_ext, c_bis).tolist(),
-    )
+    gain, cost = (torch.where(use_ext, g_ext, g_bis).tolist(),
+                  torch.where(use_ext, c_ext, c_bis).tolist())
     pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (K, N) children rows
     # (node, candidate) pairs
     pairs = pick.T.nonzero()

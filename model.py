@@ -632,11 +632,9 @@ def surprisal(
     """−log p(token_t | tokens_<t) (B, T) from the final-norm states h (B, T, dim) of tokens
     (B, T); 0 at t = 0 (nothing predicts the first token). In chunks of positions: never a
     (T, V) logit table at once. fp32 (fp64 for an fp64 model)."""
-    out = torch.zeros(
-        tokens.shape,
-        dtype=torch.float64 if h.dtype == torch.float64 else torch.float32,
-        device=h.device,
-    )
+    out = torch.zeros(tokens.shape,
+                      dtype=torch.float64 if h.dtype == torch.float64 else torch.float32,
+                      device=h.device)
     for c0 in range(0, tokens.shape[1] - 1, chunk):
         # (B, c, V) predicts c0+1..
         lp = torch.log_softmax(model.lm_head(h[:, c0:c0 + chunk]).to(out.dtype), -1)
@@ -758,14 +756,8 @@ def generate(model: Llama, tok, prompt: str, method=None, max_new_tokens: int = 
 
 
 @torch.no_grad()
-def greedy(
-    model: Llama,
-    cache: Cache,
-    max_new_tokens: int,
-    eos_ids=(),
-    decoder: Optional[Hooks] = None,
-    done=None,
-) -> list:
+def greedy(model: Llama, cache: Cache, max_new_tokens: int, eos_ids=(),
+           decoder: Optional[Hooks] = None, done=None) -> list:
     """Greedy continuation of a prefilled cache (batch 1): token ids, eos excluded. decoder: the
     method's decode-time eviction (None = append); done(ids) -> bool: the answer is complete
     (checked after each token, which is kept)."""

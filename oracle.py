@@ -156,11 +156,8 @@ def read_tokens(path, vocab_size: int) -> list:
 def write(path, tensors: dict, header: dict):
     """One safetensors file; the header as JSON in its metadata under "oracle"."""
     from safetensors.torch import save_file
-    save_file(
-        {k: v.contiguous() for k, v in tensors.items()},
-        str(path),
-        metadata={"oracle": json.dumps(header)},
-    )
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path),
+              metadata={"oracle": json.dumps(header)})
 
 
 def read(path) -> tuple:
@@ -262,12 +259,8 @@ def main(argv=None):
     d.add_argument("--policy", default=None, help="PolyKV policy file (method polykv)")
     d.add_argument("--text", default=None, help="the prompt as text")
     d.add_argument("--tokens", default=None, help="a JSON file with the prompt's token ids")
-    d.add_argument(
-        "--length",
-        type=int,
-        default=2048,
-        help="without --text/--tokens: a test passage of this many tokens",
-    )
+    d.add_argument("--length", type=int, default=2048,
+                   help="without --text/--tokens: a test passage of this many tokens")
     d.add_argument("--probes", type=int, default=8)
     d.add_argument("--decode", type=int, default=4)
     d.add_argument("--out", required=True)

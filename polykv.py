@@ -112,13 +112,8 @@ def union(needs: list, n_layers: int) -> Needs:
             stats = [a | b for a, b in zip(stats, n.stats)]
         for name, st in n.extra:
             extra[name] = st if name not in extra else extra[name].merge(st)
-    return Needs(
-        tuple(stats),
-        chunk=chunk,
-        extra=tuple(extra.items()),
-        surprisal=any(n.surprisal for n in needs),
-        **params,
-    )
+    return Needs(tuple(stats), chunk=chunk, extra=tuple(extra.items()),
+                 surprisal=any(n.surprisal for n in needs), **params)
 
 
 @dataclass
@@ -729,10 +724,8 @@ class Policy(Method):
         try:
             d = json.loads(Path(path).read_text())
             layers = [
-                LayerPolicy(
-                    (x["prefill"]["rule"], x["prefill"]["budget"]),
-                    (x["decode"]["rule"], x["decode"]["budget"]),
-                )
+                LayerPolicy((x["prefill"]["rule"], x["prefill"]["budget"]),
+                            (x["decode"]["rule"], x["decode"]["budget"]))
                 for x in d["layers"]
             ]
             budget, settings = d["budget"], RuleSettings(**d.get("settings", {}))

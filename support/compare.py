@@ -177,15 +177,8 @@ def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
                 lo, hi = interval((X[m] - X[top])[idx].mean(1))
                 (ties if lo <= 0 <= hi else behind).append((m, X[m].mean() - X[top].mean(), lo, hi))
             out.append(
-                {
-                    "budget": b,
-                    "label": label,
-                    "n": len(prompts),
-                    "top": top,
-                    "mean": X[top].mean(),
-                    "ties": ties,
-                    "behind": behind,
-                }
+                {"budget": b, "label": label, "n": len(prompts), "top": top, "mean": X[top].mean(),
+                 "ties": ties, "behind": behind}
             )
     return out
 

@@ -171,17 +171,15 @@ def convert_gguf(gguf_path: Path, out: Path):
     out.mkdir(parents=True)
     save_file(sd, str(out / "model.safetensors"))
     dim, n_layers = meta["llama.embedding_length"], meta["llama.block_count"]
-    config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": len(meta["tokenizer.ggml.tokens"]), "hidden_size": dim,
-        "num_hidden_layers": n_layers, "num_attention_heads": H, "num_key_value_heads": G,
-        "head_dim": dim // H, "intermediate_size": meta["llama.feed_forward_length"],
-        "rope_theta": float(meta["llama.rope.freq_base"]),
-        "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
-        "max_position_embeddings": meta["llama.context_length"], "tie_word_embeddings": True,
-        "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
-        "eos_token_id": meta["tokenizer.ggml.eos_token_id"], "torch_dtype": "float32",
-    }
+    config = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+              "vocab_size": len(meta["tokenizer.ggml.tokens"]), "hidden_size": dim,
+              "num_hidden_layers": n_layers, "num_attention_heads": H, "num_key_value_heads": G,
+              "head_dim": dim // H, "intermediate_size": meta["llama.feed_forward_length"],
+              "rope_theta": float(meta["llama.rope.freq_base"]),
+              "rms_norm_eps": float(meta["llama.attention.layer_norm_rms_epsilon"]),
+              "max_position_embeddings": meta["llama.context_length"], "tie_word_embeddings": True,
+              "bos_token_id": meta["tokenizer.ggml.bos_token_id"],
+              "eos_token_id": meta["tokenizer.ggml.eos_token_id"], "torch_dtype": "float32"}
     (out / "config.json").write_text(json.dumps(config, indent=1))
     _tokenizer(meta).save(str(out / "tokenizer.json"))
     for name, text in hf_extras(meta).items():

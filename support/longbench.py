@@ -77,24 +77,10 @@ LONGBENCH_PROMPTS = {
     "repobench-p": "Please complete the code given below. \n{context}{input}Next line of code:\n",
 }
 # LongBench/config/dataset2maxlen.json: max new tokens
-LONGBENCH_MAXLEN = {
-    "narrativeqa": 128,
-    "qasper": 128,
-    "multifieldqa_en": 64,
-    "hotpotqa": 32,
-    "2wikimqa": 32,
-    "musique": 32,
-    "gov_report": 512,
-    "qmsum": 512,
-    "multi_news": 512,
-    "trec": 64,
-    "triviaqa": 32,
-    "samsum": 128,
-    "passage_count": 32,
-    "passage_retrieval_en": 32,
-    "lcc": 64,
-    "repobench-p": 64,
-}
+LONGBENCH_MAXLEN = {"narrativeqa": 128, "qasper": 128, "multifieldqa_en": 64, "hotpotqa": 32,
+                    "2wikimqa": 32, "musique": 32, "gov_report": 512, "qmsum": 512,
+                    "multi_news": 512, "trec": 64, "triviaqa": 32, "samsum": 128,
+                    "passage_count": 32, "passage_retrieval_en": 32, "lcc": 64, "repobench-p": 64}
 # LongBench/eval.py dataset2metric
 LONGBENCH_METRIC = {
     **dict.fromkeys(

@@ -122,16 +122,8 @@ def code_sim_score(prediction: str, ground_truth: str, **_) -> float:
 
 METRICS = {
     f.__name__: f
-    for f in (
-        string_match_all,
-        string_match_part,
-        qa_f1_score,
-        rouge_score,
-        classification_score,
-        retrieval_score,
-        count_score,
-        code_sim_score,
-    )
+    for f in (string_match_all, string_match_part, qa_f1_score, rouge_score, classification_score,
+              retrieval_score, count_score, code_sim_score)
 }
 
 

@@ -98,13 +98,8 @@ def join(full, comp, a: int, b: int, question: bool = True):
                 else around(c.acc, torch.zeros_like(f.bias, dtype=c.acc.dtype))
             )
             layers.append(
-                LayerCache(
-                    around(c.k, f.k),
-                    around(c.v, f.v),
-                    around(c.pos, f.pos),
-                    around(c.bias, f.bias),
-                    acc,
-                )
+                LayerCache(around(c.k, f.k), around(c.v, f.v), around(c.pos, f.pos),
+                           around(c.bias, f.bias), acc)
             )
         else:                                                                 # ragged, batch 1
             heads = []
@@ -130,14 +125,8 @@ def turns(tok, ids: list, sample, at) -> list:
     out = []
     head = sample.prompt[:len(sample.prompt) - len(sample.question)]
     for ask in sample.asks:
-        s = replace(
-            sample,
-            prompt=head + ask.question,
-            question=ask.question,
-            answers=list(ask.answers),
-            gold=ask.gold,
-            asks=(),
-        )
+        s = replace(sample, prompt=head + ask.question, question=ask.question,
+                    answers=list(ask.answers), gold=ask.gold, asks=())
         own = tok.encode(s.prompt)
         n_q = split(tok, own, s)[1]
         if own[:len(own) - n_q] != ids[:len(ids) - at[1]]:

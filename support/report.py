@@ -10,19 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from support.compare import (
-    LOWER_IS_BETTER,
-    aligned,
-    headline_metrics,
-    interval,
-    leaders,
-    leaders_table,
-    resample_index,
-    scored_tasks,
-    values,
-    versus,
-    versus_table,
-)
+from support.compare import (LOWER_IS_BETTER, aligned, headline_metrics, interval, leaders,
+                             leaders_table, resample_index, scored_tasks, values, versus,
+                             versus_table)
 from support import cli
 from support.errors import UsageError
 from support.files import read_rows
@@ -63,13 +53,9 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
                    "ci_low": round(lo, 4), "ci_high": round(hi, 4)}
             if best is not None and m != best:
                 dlo, dhi = interval(boot[m] - boot[best])
-                row["vs_best"] = {
-                    "rule": best,
-                    "diff": round(float(x.mean() - X[best].mean()), 4),
-                    "ci_low": round(dlo, 4),
-                    "ci_high": round(dhi, 4),
-                    "tie": dlo <= 0 <= dhi,
-                }
+                row["vs_best"] = {"rule": best, "diff": round(float(x.mean() - X[best].mean()), 4),
+                                  "ci_low": round(dlo, 4), "ci_high": round(dhi, 4),
+                                  "tie": dlo <= 0 <= dhi}
             out.append(row)
         headline = (task, metric) in HEADLINE or task not in (
             "fidelity",
@@ -91,14 +77,8 @@ def gap_row(m, budget, task, metric, X, boot, best, n) -> dict:
     headline measure), with its
     paired interval (the best uniform rule is fixed by the point estimate)."""
     den = X["full"].mean() - X[best].mean()
-    row = {
-        "method": m,
-        "budget": budget,
-        "task": "gap",
-        "metric": f"{task}_{metric}",
-        "best_uniform": best,
-        "n": n,
-    }
+    row = {"method": m, "budget": budget, "task": "gap", "metric": f"{task}_{metric}",
+           "best_uniform": best, "n": n}
     if abs(den) < 1e-12:
         return {**row, "value": None}
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -132,15 +112,12 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
         (t, "dnll", t.replace("answer", "ans ΔNLL"), "{:.3f}", 1)
         for t in ("answer", "answer later", "answer spread")
     ]
-    cols += [
-        ("fidelity", "kl", "KL", "{:.4f}", 1),
-        ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1),
-        ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
-        ("memory", "kv_fraction", "prompt KV %", "{:.1f}", 100),
-        ("memory", "peak_fraction", "peak KV %", "{:.1f}", 100),
-        ("memory", "alloc_fraction", "alloc KV %", "{:.1f}", 100),
-        ("time", "compress_s", "compress s", "{:.2f}", 1),
-    ]
+    cols += [("fidelity", "kl", "KL", "{:.4f}", 1), ("fidelity", "dnll", "ΔNLL", "{:.4f}", 1),
+             ("fidelity", "top1", "top-1 %", "{:.1f}", 1),
+             ("memory", "kv_fraction", "prompt KV %", "{:.1f}", 100),
+             ("memory", "peak_fraction", "peak KV %", "{:.1f}", 100),
+             ("memory", "alloc_fraction", "alloc KV %", "{:.1f}", 100),
+             ("time", "compress_s", "compress s", "{:.2f}", 1)]
     present = [c for c in cols if any(k[2:] == c[:2] for k in get)]
     lines = ["| " + " | ".join(["budget", "method"] + [c[2] for c in present]) + " |",
              "|---|---|" + "---|" * len(present)]
@@ -259,10 +236,8 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
     protocols = list(dict.fromkeys(protocol(d) for d in summary)) or ["prompt"]
     panels = [
         (t, m, label)
-        for t, m, label in [
-            ("fidelity", "kl", "fidelity KL (lower is better)"),
-            ("answer", "dnll", "answer ΔNLL (lower is better)"),
-        ]
+        for t, m, label in [("fidelity", "kl", "fidelity KL (lower is better)"),
+                            ("answer", "dnll", "answer ΔNLL (lower is better)")]
         if any(d["task"] == t and d["metric"] == m for d in summary)
     ] or [
         ("fidelity", "kl", "fidelity KL (lower is better)")
@@ -274,12 +249,8 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
         for ax, (task, metric, label) in zip(axes, panels):
             for n in names:
                 pts = sorted(
-                    (
-                        length / d["budget"] if length else d["budget"],
-                        d["value"],
-                        d["ci_low"],
-                        d["ci_high"],
-                    )
+                    (length / d["budget"] if length else d["budget"], d["value"], d["ci_low"],
+                     d["ci_high"])
                     for d in summary
                     if d["method"] == n
                     and d["task"] == task
@@ -320,11 +291,8 @@ def main(argv=None):
                     help="comma list of the run's methods (default: all)")
     ap.add_argument("--budgets", type=cli.int_list, default=None,
                     help="comma list of the run's budgets (default: all)")
-    ap.add_argument(
-        "--protocol",
-        default=None,
-        help="the protocol whose rows to show (default: the run's first)",
-    )
+    ap.add_argument("--protocol", default=None,
+                    help="the protocol whose rows to show (default: the run's first)")
     ap.add_argument(
         "--no-diff", action="store_true", help="leave out the differences and gap lines"
     )
@@ -384,12 +352,8 @@ def main(argv=None):
         except ImportError:
             raise UsageError("--plot needs matplotlib (pip install matplotlib)") from None
         every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
-        plot(
-            every if a.protocol is None else rows,
-            names,
-            Path(a.summary).parent,
-            length=ratio_length(cfg),
-        )
+        plot(every if a.protocol is None else rows, names, Path(a.summary).parent,
+             length=ratio_length(cfg))
 
 
 def run_config(d, path) -> dict:

@@ -339,21 +339,15 @@ def niah(task: str, tok, target: int, seed: int = 0, index: int = 0) -> Sample:
             else:
                 while len(distractors) < n:
                     distractors.append(
-                        NEEDLE.format(
-                            type_needle_v=c["value"],
-                            key=_random_needle_part(rng, c["key"], pool),
-                            value=_random_needle_part(rng, c["value"], pool),
-                        )
+                        NEEDLE.format(type_needle_v=c["value"],
+                                      key=_random_needle_part(rng, c["key"], pool),
+                                      value=_random_needle_part(rng, c["value"], pool))
                     )
                 lines = distractors[:n]
             context = "\n".join(_insert(lines, needles, fractions))
         prompt = template.format(type_needle_v=type_v, context=context, query=query)
-        return (
-            prompt,
-            answers,
-            " " + ", ".join(answers),
-            around(template, type_needle_v=type_v, query=query),
-        )
+        return (prompt, answers, " " + ", ".join(answers),
+                around(template, type_needle_v=type_v, query=query))
     if not c.get("turns"):
         return _sample(task, index, tok, target, build, "string_match_all", 128)
     later = [
@@ -443,12 +437,8 @@ def fwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     def build(n):
         words = [w for k, w in enumerate(vocab, 1) for _ in range(int(n * k ** -alpha / zeta))]
         random.Random(shuffle_seed).shuffle(words)
-        return (
-            FWE_TEMPLATE.format(context=" ".join(words)),
-            vocab[1:4],
-            " " + " ".join(vocab[1:4]),
-            around(FWE_TEMPLATE),
-        )
+        return (FWE_TEMPLATE.format(context=" ".join(words)), vocab[1:4],
+                " " + " ".join(vocab[1:4]), around(FWE_TEMPLATE))
     return _sample("fwe", index, tok, target, build, "string_match_all", 50)
 
 
@@ -489,12 +479,8 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
 
 
 # name -> gen(tokenizer, target_tokens, seed, index) -> Sample
-RULER_TASKS = {
-    **{name: functools.partial(niah, name) for name in NIAH},
-    "vt": vt,
-    "fwe": fwe,
-    "cwe": cwe,
-}
+RULER_TASKS = {**{name: functools.partial(niah, name) for name in NIAH}, "vt": vt, "fwe": fwe,
+               "cwe": cwe}
 
 
 # ----------------------------------------------------------------------------- KVzip's prompt

@@ -8,12 +8,8 @@ from hypothesis import settings
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-settings.register_profile(
-    "ci",
-    deadline=None,
-    derandomize=True,
-    max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)),
-)
+settings.register_profile("ci", deadline=None, derandomize=True,
+                          max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15)))
 settings.register_profile(
     "dev", deadline=None, max_examples=int(os.environ.get("HYPOTHESIS_EXAMPLES", 15))
 )
@@ -33,19 +29,9 @@ def tiny(seed=0, L=3, H=4, G=2, sdpa=True, bias=False):
     Test modules import it: `from conftest import tiny`."""
     from model import Config, Llama
     torch.manual_seed(seed)
-    cfg = Config(
-        vocab_size=50,
-        dim=32,
-        n_layers=L,
-        n_heads=H,
-        n_kv_heads=G,
-        head_dim=8,
-        hidden_dim=48,
-        max_seq_len=256,
-        tie_embeddings=False,
-        attention_bias=bias,
-        eos_ids=(0,),
-    )
+    cfg = Config(vocab_size=50, dim=32, n_layers=L, n_heads=H, n_kv_heads=G, head_dim=8,
+                 hidden_dim=48, max_seq_len=256, tie_embeddings=False, attention_bias=bias,
+                 eos_ids=(0,))
     m = Llama(cfg, sdpa=sdpa).double().eval()
     with torch.no_grad():
         for blk in m.layers:
@@ -97,17 +83,8 @@ def tiny_dir(tmp_path_factory):
     tok.decoder = decoders.ByteLevel()
     tok.save(str(d / "tokenizer.json"))
     torch.manual_seed(0)
-    cfg = model.Config(
-        vocab_size=len(alphabet),
-        dim=32,
-        n_layers=2,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=8,
-        hidden_dim=48,
-        max_seq_len=1024,
-        tie_embeddings=False,
-        eos_ids=(300,),
-    )
+    cfg = model.Config(vocab_size=len(alphabet), dim=32, n_layers=2, n_heads=4, n_kv_heads=2,
+                       head_dim=8, hidden_dim=48, max_seq_len=1024, tie_embeddings=False,
+                       eos_ids=(300,))
     model.save(model.Llama(cfg), d)
     return d

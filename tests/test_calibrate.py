@@ -27,10 +27,8 @@ tiny = tiny_llama
 def texts(seed, n=2, lo=1, hi=50):
     g = torch.Generator().manual_seed(seed)
     return [
-        (
-            torch.randint(lo, hi, (T,), generator=g).tolist(),
-            torch.randint(lo, hi, (N,), generator=g).tolist(),
-        )
+        (torch.randint(lo, hi, (T,), generator=g).tolist(),
+         torch.randint(lo, hi, (N,), generator=g).tolist())
         for _ in range(n)
     ]
 
@@ -95,11 +93,9 @@ def test_rescaling_preserves_proportions(s, budget, budget2):
 
 
 def test_allocate_errors():
-    for args, msg in (
-        (([1.0, -1.0], 20, 2, 20), "non-negative"),
-        (([1.0, 2.0], 50, 2, 20), "cannot give 2"),
-        (([1.0, 2.0], 20, 12, 20), "cannot give 2"),
-    ):
+    for args, msg in ((([1.0, -1.0], 20, 2, 20), "non-negative"),
+                      (([1.0, 2.0], 50, 2, 20), "cannot give 2"),
+                      (([1.0, 2.0], 20, 12, 20), "cannot give 2")):
         with pytest.raises(UsageError, match=msg):
             C.allocate(*args)
 
@@ -287,12 +283,8 @@ def test_build_budgets_append_and_ablations():
     sig["prefill"]["dppl"]["tova"] = [0.0, 0.0, 0.0, 9.0]     # ppl sensitivity: layer 3 worst
     sig["decode"]["dppl"]["h2o"] = [9.0, 0.0, 0.0, 0.0]       # decode: layer 0 worst
     pol = C.build(sig, 100, sensitivity="entropy", cap=400, horizon=20)
-    assert [lp.prefill[1] for lp in pol.layers] == [
-        100 - 75 + 30,
-        100 - 75 + 60,
-        100 - 75 + 90,
-        100 - 75 + 120,
-    ]
+    assert [lp.prefill[1] for lp in pol.layers] == [100 - 75 + 30, 100 - 75 + 60, 100 - 75 + 90,
+                                                    100 - 75 + 120]
     assert [lp.prefill[1] for lp in pol.layers] == [lp.decode[1] for lp in pol.layers]
     assert all(lp.decode[0] == "streaming" for lp in pol.layers)   # decode budget binds
     pp = C.build(sig, 100, sensitivity="ppl", cap=400, horizon=20)
@@ -309,12 +301,10 @@ def test_build_budgets_append_and_ablations():
         (lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers
     ]
     bo = C.budget_only(pp, "tova")
-    assert [(lp.prefill, lp.decode) for lp in bo.layers] == [
-        (("tova", 25), ("tova", 325)),
-        (("tova", 25), ("tova", 25)),
-        (("tova", 25), ("tova", 25)),
-        (("tova", 325), ("tova", 25)),
-    ]
+    assert [(lp.prefill, lp.decode) for lp in bo.layers] == [(("tova", 25), ("tova", 325)),
+                                                             (("tova", 25), ("tova", 25)),
+                                                             (("tova", 25), ("tova", 25)),
+                                                             (("tova", 325), ("tova", 25))]
     # all ΔPPL 0: tie -> first
     assert C.build(sig, 100, preference="ppl").layers[0].prefill[0] == "streaming"
     with pytest.raises(UsageError, match="unknown rule 'x'"):
@@ -343,12 +333,10 @@ def test_policy_for_caches_and_checks_layers(tmp_path):
 
 
 def test_cli_errors_are_one_line(capsys):
-    for argv, msg in (
-        (["--budget", "0"], "budget"),
-        (["--budget", "512", "--prompt-len", "300"], "longer than the budget"),
-        (["--budget", "64", "--b-min", "65"], "b_min"),
-        (["--out", "/no/such/dir/p.json"], "no such folder"),
-    ):
+    for argv, msg in ((["--budget", "0"], "budget"),
+                      (["--budget", "512", "--prompt-len", "300"], "longer than the budget"),
+                      (["--budget", "64", "--b-min", "65"], "b_min"),
+                      (["--out", "/no/such/dir/p.json"], "no such folder")):
         with pytest.raises(UsageError) as e:
             C.main(argv)
         assert msg in str(e.value) and "\n" not in str(e.value)

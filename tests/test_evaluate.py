@@ -30,33 +30,10 @@ def policy_file(tmp_path_factory):
 
 
 def run(tiny_dir, out, *extra):
-    args = [
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--out",
-        str(out),
-        "--budget",
-        "24,48",
-        "--methods",
-        "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv",
-        "--tasks",
-        "niah_single_1",
-        "--length",
-        "480",
-        "--samples",
-        "2",
-        "--fidelity-length",
-        "120",
-        "--fidelity-samples",
-        "2",
-        "--cont-len",
-        "8",
-        "--max-new-tokens",
-        "4",
-        *extra,
-    ]
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--out", str(out), "--budget", "24,48",
+            "--methods", "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv",
+            "--tasks", "niah_single_1", "--length", "480", "--samples", "2", "--fidelity-length",
+            "120", "--fidelity-samples", "2", "--cont-len", "8", "--max-new-tokens", "4", *extra]
     E.main(args)
     return json.loads((out / "summary.json").read_text())
 
@@ -327,14 +304,8 @@ def fake_rows(kl, score, n=6):
             base = {"method": m, "budget": 64, "length": 100, "index": i, "kv_fraction": 0.1}
             rows.append({**base, "task": "fidelity", "kl": kl[m](i), "dnll": kl[m](i), "top1": 90})
             rows.append(
-                {
-                    **base,
-                    "task": "niah_single_1",
-                    "score": score[m](i),
-                    "metric": "string_match_all",
-                    "kl": kl[m](i),
-                    "dnll": 2 * kl[m](i),
-                }
+                {**base, "task": "niah_single_1", "score": score[m](i),
+                 "metric": "string_match_all", "kl": kl[m](i), "dnll": 2 * kl[m](i)}
             )
     return rows
 
@@ -345,12 +316,8 @@ def test_paired_bootstrap_known_cases():
     spread = lambda i: 0.1 + 0.05 * i                              # prompts differ a lot
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": spread,
           "polykv": lambda i: spread(i) - 0.02}
-    score = {
-        "full": lambda i: 100,
-        "snapkv": lambda i: 50,
-        "tova": lambda i: 50 * (i % 2),
-        "polykv": lambda i: 75,
-    }
+    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 50 * (i % 2),
+             "polykv": lambda i: 75}
     names = list(kl)
     summary = report.summarize(fake_rows(kl, score), names, [64], E.baselines(), ["polykv"])
     get = {(d["method"], d["task"], d["metric"]): d for d in summary}
@@ -359,13 +326,8 @@ def test_paired_bootstrap_known_cases():
     assert sn["n"] == 6
     best = "snapkv" if "vs_best" in tv else "tova"                   # a tie at the top: either
     other = tv if best == "snapkv" else sn
-    assert other["vs_best"] == {
-        "rule": best,
-        "diff": 0.0,
-        "ci_low": 0.0,
-        "ci_high": 0.0,
-        "tie": True,
-    }
+    assert other["vs_best"] == {"rule": best, "diff": 0.0, "ci_low": 0.0, "ci_high": 0.0,
+                                "tie": True}
     assert pk["vs_best"]["diff"] == pytest.approx(-0.02) and not pk["vs_best"]["tie"]
     assert pk["vs_best"]["ci_low"] == pytest.approx(-0.02) and pk["vs_best"][
         "ci_high"
@@ -388,12 +350,8 @@ def test_leaders_known_cases():
     spread = lambda i: 0.1 + 0.05 * i
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03,
           "h2o": lambda i: spread(i) + (0.02 if i % 2 else -0.02)}
-    score = {
-        "full": lambda i: 100,
-        "snapkv": lambda i: 50,
-        "tova": lambda i: 80,
-        "h2o": lambda i: 70 + 20 * (i % 2),
-    }
+    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80,
+             "h2o": lambda i: 70 + 20 * (i % 2)}
     got = compare.leaders(fake_rows(kl, score), list(kl), [64], ["niah_single_1"])
     assert got[0].startswith("B = 64, fidelity KL (n = 6): snapkv 0.225 ties h2o +0 [-0.0")
     assert got[0].endswith("] | behind: tova +0.03 [+0.03, +0.03]")
@@ -405,11 +363,9 @@ def test_leaders_known_cases():
         fake_rows(kl, score), list(kl), [64], ["niah_single_1"], length=8000
     ).splitlines()
     assert table[0] == "| measure | B = 64 (125×) |"
-    assert table[2:] == [
-        "| fidelity KL | snapkv 0.225; h2o (n = 6) |",
-        "| answer ΔNLL | snapkv 0.45; h2o (n = 6) |",
-        "| niah_single_1 | tova 80; h2o (n = 6) |",
-    ]
+    assert table[2:] == ["| fidelity KL | snapkv 0.225; h2o (n = 6) |",
+                         "| answer ΔNLL | snapkv 0.45; h2o (n = 6) |",
+                         "| niah_single_1 | tova 80; h2o (n = 6) |"]
 
 
 def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
@@ -487,14 +443,10 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
         (["--tasks", "nope"], "error: unknown task 'nope'; choose from niah_single_1"),
         (["--model", "/nonexistent/dir"], "error: model folder '/nonexistent/dir' does not exist"),
         (["--device", "cuda"], "error: --device cuda: no CUDA device is available here"),
-        (
-            ["--protocol", "prompt,later"],
-            "error: unknown protocol 'later'; choose from prompt, context, agnostic",
-        ),
-        (
-            ["--memory", "budget", "--protocol", "context"],
-            "error: --memory budget runs the prompt protocol only",
-        ),
+        (["--protocol", "prompt,later"],
+         "error: unknown protocol 'later'; choose from prompt, context, agnostic"),
+        (["--memory", "budget", "--protocol", "context"],
+         "error: --memory budget runs the prompt protocol only"),
         (["--greedy", "vt"], "error: --greedy 'vt' is not among --tasks (niah_single_1)"),
     ],
 )
@@ -530,50 +482,15 @@ def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any
 def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
     """torchrun --nproc_per_node 2 (gloo, CPU): every item written once, by one rank, and the
     merged summary equals a single process's (rows identical apart from time)."""
-    common = [
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float64",
-        "--threads",
-        "1",
-        "--budget",
-        "24",
-        "--methods",
-        "full,streaming,tova,snapkv,polykv,gracekv",
-        "--tasks",
-        "niah_single_1",
-        "--length",
-        "400",
-        "--samples",
-        "3",
-        "--fidelity-length",
-        "100",
-        "--fidelity-samples",
-        "3",
-        "--cont-len",
-        "6",
-        "--max-new-tokens",
-        "3",
-        "--policy",
-        str(policy_file),
-    ]
+    common = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--threads", "1",
+              "--budget", "24", "--methods", "full,streaming,tova,snapkv,polykv,gracekv", "--tasks",
+              "niah_single_1", "--length", "400", "--samples", "3", "--fidelity-length", "100",
+              "--fidelity-samples", "3", "--cont-len", "6", "--max-new-tokens", "3", "--policy",
+              str(policy_file)]
     E.main(common + ["--out", str(tmp_path / "one")])
     r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            "--nproc_per_node",
-            "2",
-            "evaluate.py",
-            *common,
-            "--out",
-            str(tmp_path / "two"),
-        ],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+         "evaluate.py", *common, "--out", str(tmp_path / "two")],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -597,10 +514,8 @@ def test_report_cli_reprints_a_subset(tmp_path, capsys):
     f = tmp_path / "summary.json"
     f.write_text(
         json.dumps(
-            {
-                "config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
-                "rows": summary,
-            }
+            {"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
+             "rows": summary}
         )
     )
     report.main([str(f), "--methods", "full,tova", "--no-diff"])
@@ -617,16 +532,10 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     itself plus noise around 0 on alternate prompts: a tie. The CLI reads the rows beside the
     summary."""
     spread = lambda i: 0.1 + 0.05 * i
-    kl = {
-        "gracekv": spread,
-        "gracekv-hbar": lambda i: spread(i) + 0.03,
-        "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01,
-    }
-    score = {
-        "gracekv": lambda i: 50,
-        "gracekv-hbar": lambda i: 50,
-        "gracekv-unit": lambda i: 100 * (i % 2),
-    }
+    kl = {"gracekv": spread, "gracekv-hbar": lambda i: spread(i) + 0.03,
+          "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01}
+    score = {"gracekv": lambda i: 50, "gracekv-hbar": lambda i: 50,
+             "gracekv-unit": lambda i: 100 * (i % 2)}
     rows = fake_rows(kl, score)
     lines = compare.versus(rows, "gracekv", list(kl), [64], ["niah_single_1"])
     assert "gracekv-hbar +0.03 [+0.03, +0.03]" in lines[0] and "gracekv-unit" in lines[0]
@@ -639,10 +548,8 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     f = tmp_path / "summary.json"
     f.write_text(
         json.dumps(
-            {
-                "config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
-                "rows": report.summarize(rows, list(kl), [64], E.baselines()),
-            }
+            {"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
+             "rows": report.summarize(rows, list(kl), [64], E.baselines())}
         )
     )
     with pytest.raises(M.UsageError, match="needs the per-sample rows"):

@@ -223,10 +223,8 @@ def test_surprisal_term_of_the_boundaries_equals_naive():
     Tc = x.shape[1] - s.window
     b0, b1 = (GK.slot_bends(m, full, Tc, st_, torch.float64, obs.surprisal) for st_ in (off, s))
     torch.testing.assert_close(b1, b0 + 0.7 * GK.robust_z(want[0, :Tc]), rtol=1e-12, atol=1e-12)
-    assert torch.equal(
-        PR.cut(full, obs, GK.needs(s, m.config.n_layers), 5, 30)[1].surprisal,
-        obs.surprisal[:, 5:30],
-    )
+    assert torch.equal(PR.cut(full, obs, GK.needs(s, m.config.n_layers), 5, 30)[1].surprisal,
+                       obs.surprisal[:, 5:30])
 
 
 @given(st.integers(0, 40), st.integers(0, 10**6), st.integers(2, 4), st.integers(0, 3))
@@ -310,14 +308,8 @@ VARIANTS = [
     {},
     {"key": V.key_post, "multiplicity": V.multiplicity_fit},
     {"multiplicity": V.multiplicity_n},
-    {
-        "key": V.key_post,
-        "value_beta": V.beta_global,
-        "rank_adds": V.rank_with_lookahead,
-        "relevance": V.shared_relevance,
-        "extract": V.extract_hole,
-        "floor": V.row_floor,
-    },
+    {"key": V.key_post, "value_beta": V.beta_global, "rank_adds": V.rank_with_lookahead,
+     "relevance": V.shared_relevance, "extract": V.extract_hole, "floor": V.row_floor},
 ]
 
 
@@ -413,13 +405,8 @@ def replay(plan, B_alloc):
     return frontier
 
 
-@given(
-    st.integers(14, 48),
-    st.data(),
-    st.integers(0, 3),
-    st.sampled_from([0.1, 0.95]),
-    st.sampled_from(VARIANTS),
-)
+@given(st.integers(14, 48), st.data(), st.integers(0, 3), st.sampled_from([0.1, 0.95]),
+       st.sampled_from(VARIANTS))
 def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     """Also with the one-step lookahead: it never spends more than the budget."""
     B = data.draw(st.integers(1, T - 1))
@@ -546,13 +533,8 @@ def test_rows_with_settings_in_brackets():
     assert got.formulas == base.formulas and got.settings.floor_frac == base.settings.floor_frac
     assert E.method_list("full,gracekv[seeds=8;hop_depths=(0.5,1.0)],snapkv") == \
         ["full", "gracekv[seeds=8;hop_depths=(0.5,1.0)]", "snapkv"]
-    for bad in (
-        "gracekv[nope=1]",
-        "gracekv[key=1]",
-        "gracekv[seeds=x]",
-        "gracekv[seeds=1",
-        "nokv[seeds=1]",
-    ):
+    for bad in ("gracekv[nope=1]", "gracekv[key=1]", "gracekv[seeds=x]", "gracekv[seeds=1",
+                "nokv[seeds=1]"):
         with pytest.raises(M.UsageError):
             V.variant(bad, 128)
     assert V.is_row("gracekv[seeds=1]") and not V.is_row("snapkv")

@@ -145,10 +145,8 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
     m, tx = tiny(seed), texts(seed)
     g = torch.Generator().manual_seed(seed + 7)
     probes = [
-        (
-            torch.randint(1, 50, (40,), generator=g).tolist(),
-            torch.randint(1, 50, (5,), generator=g).tolist(),
-        )
+        (torch.randint(1, 50, (40,), generator=g).tolist(),
+         torch.randint(1, 50, (5,), generator=g).tolist())
         for _ in range(2)
     ]
     L = m.config.n_layers

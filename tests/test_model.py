@@ -492,10 +492,8 @@ def test_generate_refuses_too_long_prompt(tmp_path):
 
 @pytest.mark.parametrize(
     "argv, msg",
-    [
-        (["--model", "/nonexistent"], "error: model folder"),
-        (["--max-new-tokens", "-3"], "error: --max-new-tokens must be >= 0, got -3"),
-    ],
+    [(["--model", "/nonexistent"], "error: model folder"),
+     (["--max-new-tokens", "-3"], "error: --max-new-tokens must be >= 0, got -3")],
 )
 def test_cli_errors_are_one_line(argv, msg):
     r = subprocess.run([sys.executable, str(ROOT / "model.py"), *argv],

@@ -122,19 +122,8 @@ def test_cli_dump_compare_exit_codes(tmp_path):
         [sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True
     )
     for method, out in (("tova", "a"), ("h2o", "b"), ("adakv", "c"), ("kvzip", "d")):
-        r = run(
-            "dump",
-            "--model",
-            str(folder),
-            "--tokens",
-            str(tmp_path / "t.json"),
-            "--method",
-            method,
-            "--budget",
-            "40",
-            "--out",
-            str(tmp_path / f"{out}.st"),
-        )
+        r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method",
+                method, "--budget", "40", "--out", str(tmp_path / f"{out}.st"))
         assert r.returncode == 0, r.stderr
     same, other = run("compare", str(tmp_path / "a.st"), str(tmp_path / "a.st")), \
         run("compare", str(tmp_path / "a.st"), str(tmp_path / "b.st"))
@@ -149,26 +138,12 @@ def test_cli_dump_compare_exit_codes(tmp_path):
     bad = run("compare", str(tmp_path / "a.st"), str(tmp_path / "t.json"))
     assert bad.returncode == 2 and bad.stderr.startswith("error: cannot read")
     assert "Traceback" not in bad.stderr
-    for text, why in (
-        ('[1, 2', "is not JSON"),
-        ('{"a": 1}', "non-empty JSON list of integer"),
-        ('[1, 2.5]', "non-empty JSON list of integer"),
-        ('[1, 128]', "token id 128 is outside"),
-    ):
+    for text, why in (('[1, 2', "is not JSON"), ('{"a": 1}', "non-empty JSON list of integer"),
+                      ('[1, 2.5]', "non-empty JSON list of integer"),
+                      ('[1, 128]', "token id 128 is outside")):
         (tmp_path / "bad.json").write_text(text)
-        r = run(
-            "dump",
-            "--model",
-            str(folder),
-            "--tokens",
-            str(tmp_path / "bad.json"),
-            "--method",
-            "tova",
-            "--budget",
-            "40",
-            "--out",
-            str(tmp_path / "bad.st"),
-        )
+        r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "bad.json"), "--method",
+                "tova", "--budget", "40", "--out", str(tmp_path / "bad.st"))
         assert r.returncode == 2 and why in r.stderr and "Traceback" not in r.stderr, r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "bad.st").exists()
 

@@ -189,10 +189,8 @@ def test_tova_decode_keeps_top_under_current_query():
     seen = {}
 
     def spy(layer, q, q_pos, lc, out):   # naive A of the new query over the b+1 entries
-        seen[layer] = (
-            M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)[0, :, -1].mean(0),
-            lc.pos[0, 0].clone(),
-        )
+        seen[layer] = (M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)[0, :, -1].mean(0),
+                       lc.pos[0, 0].clone())
     M.decode(
         m, tokens[:, T:], cache, M.Hooks(post_kernel=spy, cache_update=pol.decoder.cache_update)
     )
@@ -205,12 +203,9 @@ def test_tova_decode_keeps_top_under_current_query():
 def test_policy_json_round_trip_and_errors(tmp_path):
     L = 4
     pol = P.Policy(
-        [
-            P.LayerPolicy(("snapkv", 30), ("append", 30)),
-            P.LayerPolicy(("tova", 10), ("tova", 10)),
-            P.LayerPolicy(("h2o", 20), ("h2o", 20)),
-            P.LayerPolicy(("streaming", 20), ("streaming", 20)),
-        ],
+        [P.LayerPolicy(("snapkv", 30), ("append", 30)), P.LayerPolicy(("tova", 10), ("tova", 10)),
+         P.LayerPolicy(("h2o", 20), ("h2o", 20)),
+         P.LayerPolicy(("streaming", 20), ("streaming", 20))],
         20,
         SET,
         {"model": "tiny"},
@@ -260,13 +255,9 @@ def test_causal_probs_equal_attention_probs(T, chunk, seed):
     pos = torch.arange(T).expand(2, T)
     for c1 in range(T, 0, -chunk):
         c0 = max(0, c1 - chunk)
-        want = M.attention_probs(
-            q[:, :, c0:c1],
-            k[:, :, :c1],
-            torch.zeros(2, 2, c1, dtype=torch.float64),
-            pos[:, c0:c1],
-            pos[:, None, :c1].expand(2, 2, c1),
-        )
+        want = M.attention_probs(q[:, :, c0:c1], k[:, :, :c1],
+                                 torch.zeros(2, 2, c1, dtype=torch.float64), pos[:, c0:c1],
+                                 pos[:, None, :c1].expand(2, 2, c1))
         assert torch.allclose(
             P.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0
         )

@@ -82,15 +82,8 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
         if name != "gracekv"
         else GK.GraceKV(
             budget,
-            GK.Settings(
-                window=4,
-                slot_min=3,
-                slot_max=8,
-                slot_target=5,
-                bend_widths=(2, 3),
-                seeds=3,
-                evidence=4,
-            ),
+            GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
+                        seeds=3, evidence=4),
         )
     )
     needs = P.union([meth.needs(m)], L)
@@ -162,36 +155,11 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     exact in each; the charged fraction is B over what each protocol compresses (the whole
     prompt, prefix + context, the context); fidelity rows are the same under all three; a
     rerun does nothing twice."""
-    args = [
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float64",
-        "--out",
-        str(tmp_path),
-        "--budget",
-        "24",
-        "--methods",
-        "full,snapkv,tova,gracekv",
-        "--tasks",
-        "niah_single_1",
-        "--length",
-        "400",
-        "--samples",
-        "2",
-        "--fidelity-length",
-        "80",
-        "--fidelity-samples",
-        "1",
-        "--cont-len",
-        "6",
-        "--max-new-tokens",
-        "3",
-        "--protocol",
-        "prompt,context,agnostic",
-    ]
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--out",
+            str(tmp_path), "--budget", "24", "--methods", "full,snapkv,tova,gracekv", "--tasks",
+            "niah_single_1", "--length", "400", "--samples", "2", "--fidelity-length", "80",
+            "--fidelity-samples", "1", "--cont-len", "6", "--max-new-tokens", "3", "--protocol",
+            "prompt,context,agnostic"]
     E.main(args)
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert len(rows) == len({r["key"] for r in rows}) == 3 * 4 * 3
@@ -264,32 +232,10 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     (prefix + context + that question under context / agnostic): its answer ΔNLL against a
     fresh full prefill of that prompt is 0 up to summation order; summaries carry later / spread."""
     from support import tasks as TK
-    args = [
-        "--model",
-        str(tiny_dir),
-        "--device",
-        "cpu",
-        "--dtype",
-        "float64",
-        "--out",
-        str(tmp_path),
-        "--budget",
-        "32",
-        "--methods",
-        "full,snapkv",
-        "--tasks",
-        "niah_multineedle_turns",
-        "--length",
-        "900",
-        "--samples",
-        "1",
-        "--fidelity-samples",
-        "0",
-        "--max-new-tokens",
-        "2",
-        "--protocol",
-        "prompt,context,agnostic",
-    ]
+    args = ["--model", str(tiny_dir), "--device", "cpu", "--dtype", "float64", "--out",
+            str(tmp_path), "--budget", "32", "--methods", "full,snapkv", "--tasks",
+            "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples",
+            "0", "--max-new-tokens", "2", "--protocol", "prompt,context,agnostic"]
     E.main(args)
     rows = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert sorted((r["method"], r["protocol"], r["turn"]) for r in rows) == sorted(
@@ -318,12 +264,8 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     torch.testing.assert_close(fed, fresh, rtol=1e-9, atol=1e-9)
     summary = json.loads((tmp_path / "summary.json").read_text())["rows"]
     tasks = {d["task"] for d in summary}
-    assert {
-        "niah_multineedle_turns later",
-        "niah_multineedle_turns spread",
-        "answer later",
-        "answer spread",
-    } <= tasks
+    assert {"niah_multineedle_turns later", "niah_multineedle_turns spread", "answer later",
+            "answer spread"} <= tasks
     E.main(args)                                                              # resumes: nothing new
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
 
@@ -337,24 +279,9 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     from dataclasses import replace
     m, tok = M.load(tiny_dir, dtype=torch.float64)
     args = E.parse(
-        [
-            "--model",
-            str(tiny_dir),
-            "--dtype",
-            "float64",
-            "--budget",
-            "32",
-            "--tasks",
-            "niah_multineedle_turns",
-            "--length",
-            "900",
-            "--samples",
-            "1",
-            "--fidelity-samples",
-            "0",
-            "--max-new-tokens",
-            "2",
-        ]
+        ["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks",
+         "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples", "0",
+         "--max-new-tokens", "2"]
     )
     # no decoder evicts (evaluate.main sizes it to the items)
     args.allowance = 4096

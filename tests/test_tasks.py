@@ -374,10 +374,8 @@ def test_score_postprocessing_and_max_over_answers():
         == 100.0
     )
     assert (
-        metrics.score(
-            _lb("trec", ["Reason"], "classification_score", ["Reason", "Manner"]),
-            "\nReason\nManner",
-        )
+        metrics.score(_lb("trec", ["Reason"], "classification_score", ["Reason", "Manner"]),
+                      "\nReason\nManner")
         == 100.0
     )
     assert metrics.score(_lb("hotpotqa", [], "qa_f1_score"), "Paris") == 0.0
@@ -399,25 +397,15 @@ def test_load_longbench(tmp_path, tok):
     _write_jsonl(
         tmp_path / "trec.jsonl",
         [
-            {
-                "input": "What is X?",
-                "context": "examples",
-                "answers": ["Reason"],
-                "all_classes": ["Reason", "Manner"],
-                "length": 2,
-                "_id": "c",
-            }
+            {"input": "What is X?", "context": "examples", "answers": ["Reason"],
+             "all_classes": ["Reason", "Manner"], "length": 2, "_id": "c"}
         ],
     )
     _write_jsonl(tmp_path / "samsum.jsonl", [dict(short, answers=["A summary."])])
     (tmp_path / "notes.jsonl").write_text("not LongBench")                       # ignored
     out = longbench.load_longbench(tmp_path, tok, max_length=400)
-    assert [(s.task, s.index) for s in out] == [
-        ("hotpotqa", 0),
-        ("hotpotqa", 1),
-        ("trec", 0),
-        ("samsum", 0),
-    ]
+    assert [(s.task, s.index) for s in out] == [("hotpotqa", 0), ("hotpotqa", 1), ("trec", 0),
+                                                ("samsum", 0)]
     full = longbench.LONGBENCH_PROMPTS["hotpotqa"].format(context=short["context"], input="Who?")
     assert (
         out[0].prompt == full
@@ -432,12 +420,8 @@ def test_load_longbench(tmp_path, tok):
     assert "MIDDLE" not in out[1].prompt and out[1].prompt.endswith("Question: Who?\nAnswer:")
     # dataset2maxlen.json
     assert [s.max_new_tokens for s in out] == [32, 32, 64, 128]
-    assert [s.metric for s in out] == [
-        "qa_f1_score",
-        "qa_f1_score",
-        "classification_score",
-        "rouge_score",
-    ]
+    assert [s.metric for s in out] == ["qa_f1_score", "qa_f1_score", "classification_score",
+                                       "rouge_score"]
     assert out[2].all_classes == ["Reason", "Manner"] and out[2].prompt.endswith(
         "examples\nWhat is X?"
     )
@@ -477,10 +461,8 @@ def test_a_truncation_into_the_question_is_refused_by_the_split(tmp_path, tok):
 @pytest.mark.parametrize(
     "bad, message",
     [
-        (
-            '{"input": "q", "context": "c", "answers": ["a"]}\n{"input": "q", "context": \n',
-            r"hotpotqa\.jsonl:2: not valid JSON",
-        ),
+        ('{"input": "q", "context": "c", "answers": ["a"]}\n{"input": "q", "context": \n',
+         r"hotpotqa\.jsonl:2: not valid JSON"),
         ('{"input": "q", "answers": ["a"]}\n', r"hotpotqa\.jsonl:1: field 'context' missing"),
         ('[1, 2]\n', r"hotpotqa\.jsonl:1: expected a JSON object"),
     ],
