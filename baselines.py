@@ -27,6 +27,7 @@ import model as M
 import polykv as P
 from model import Cache
 from support.errors import UsageError
+from support.fast_observe import causal_probs
 
 
 # ============================================================================= 1. K-norm
@@ -122,7 +123,7 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
             k = torch.cat((lc.k[:, :, :sink], lc.k[:, :, a:b], lc.k[:, :, -n:]), 2)
             for c0 in range(0, n, 256):                     # query chunks: no (H, n, n) at once
                 c1 = min(n, c0 + 256)
-                p = P.causal_probs(q[:, :, c0:c1], k[:, :, :k.shape[2] - n + c1], sink + b - a + c0)
+                p = causal_probs(q[:, :, c0:c1], k[:, :, :k.shape[2] - n + c1], sink + b - a + c0)
                 out[layer][..., a:b] = torch.maximum(
                     out[layer][..., a:b], p[..., sink : sink + b - a].amax(2)
                 )

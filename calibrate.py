@@ -396,40 +396,52 @@ def policy_path(
     return Path(cache_dir) / f"{kind}-{name}-B{budget}{length}-seed{seed}-{TEXT_VERSION}.json"
 
 
+# the embedded default model's calibrated policies, shipped with the repository (the same files
+# its calibration writes; `evaluate.py --recalibrate` makes them again)
+SHIPPED = Path(__file__).resolve().parent / "policies"
+
+
 def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_dir="runs/policies",
-               procedure: str = "paper", **kw) -> Policy:
-    """Calibrate once per (procedure, model name, budget, seed) and keep the JSON; later calls
-    load it. kw: the procedure's own arguments (PROCEDURES)."""
+               procedure: str = "paper", shipped=None, recalibrate: bool = False,
+               **kw) -> Policy:
+    """Calibrate once per (procedure, model name, budget, seed) and keep the JSON in cache_dir;
+    later calls load it. shipped: a folder of policies made the same way (SHIPPED for the
+    embedded model), read where cache_dir has none. A file is used only if the calibration
+    settings it records are those asked (else one line says which differ); recalibrate: neither
+    is read, the calibration runs and its file replaces the cached one. kw: the procedure's own
+    arguments (PROCEDURES)."""
     if procedure not in PROCEDURES:
         raise UsageError(f"procedure must be one of {', '.join(PROCEDURES)}, got {procedure!r}")
-    path = policy_path(
-        model_name, budget, seed, cache_dir, procedure, kw.get("prompt_len", PROMPT_LEN)
-    )
-    if path.exists():
-        policy = Policy.load(path, n_layers=model.config.n_layers)  # wrong layer count: UsageError
-        have = {**policy.meta.get("calibration", {}), **policy.meta}
-        asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw,       # the procedure's own
-                 "pool": list(polykv.pool())}                                # and today's pool
-        # a joint file without them: the text-only objective
-        if procedure != "paper":
-            have = {"probes": 0, "retrieval": None, **have}
-            asked = {"probes": JOINT_PROBES, "retrieval": JOINT_RETRIEVAL, **asked}
-        diff = [
-            f"{k}={have.get(k)!r} (asked {v!r})"
-            for k, v in asked.items()
-            if k
-            in ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes",
-                "retrieval", "pool")
-            and have.get(k) != v
-        ]
-        if diff:
-            raise UsageError(
-                f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it to recalibrate"
-            )
-        return policy
+    length = kw.get("prompt_len", PROMPT_LEN)
+    path = policy_path(model_name, budget, seed, cache_dir, procedure, length)
+    found = [] if recalibrate else [path]
+    if shipped is not None and not recalibrate:
+        found.append(policy_path(model_name, budget, seed, shipped, procedure, length))
+    for known in found:
+        if known.exists():
+            return checked(model, known, procedure, kw)
     policy = PROCEDURES[procedure](model, tok, budget, seed, model_name=model_name, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(path)
+    return policy
+
+
+def checked(model, path: Path, procedure: str, kw: dict) -> Policy:
+    """The policy file `path`, if the calibration settings it records are those asked (the
+    procedure's own, kw, and today's pool); else a UsageError naming them."""
+    policy = Policy.load(path, n_layers=model.config.n_layers)    # wrong layer count: UsageError
+    have = {**policy.meta.get("calibration", {}), **policy.meta}
+    asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw, "pool": list(polykv.pool())}
+    if procedure != "paper":        # a joint file without them: the text-only objective
+        have = {"probes": 0, "retrieval": None, **have}
+        asked = {"probes": JOINT_PROBES, "retrieval": JOINT_RETRIEVAL, **asked}
+    compared = ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes",
+                "retrieval", "pool")
+    diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items()
+            if k in compared and have.get(k) != v]
+    if diff:
+        raise UsageError(f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it or "
+                         "pass --recalibrate")
     return policy
 
 

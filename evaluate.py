@@ -44,7 +44,9 @@ A fair comparison (docs/protocol.md):
 
 PolyKV's rows use a calibrated policy: `--policy FILE`, else one calibration per budget and
 procedure on 2,048-token dev prompts whatever --length is (`--calibration-length T` for others),
-cached in --cache-dir under a name that says budget, procedure, seed and length.
+cached in --cache-dir under a name that says budget, procedure, seed and length. For the
+embedded model the repository ships those of B = 64, 128 and 512 (policies/), read where
+--cache-dir has none; `--recalibrate` calibrates again.
 
 `torchrun --nproc_per_node N evaluate.py ...` shards the items over N processes (gloo on CPU,
 nccl on GPU, one GPU per rank): rank 0 calibrates, the items left to do are dealt round-robin,
@@ -244,32 +246,7 @@ class Methods:
             else:
                 T = self.args.calibration_length
                 self.check_calibration(budget, T)
-                path = calibrate.policy_path(
-                    self.args.model_name, budget, self.args.seed, self.args.cache_dir, procedure, T
-                )
-                print(
-                    f"polykv ({procedure}): policy for budget {budget}: "
-                    + (
-                        f"{path}"
-                        if path.exists()
-                        else f"calibrating once on {T}-token prompts into {path} (on 2 CPU cores "
-                             f"about 4-9 min "
-                        f"at 2,048 tokens, 4x that at 8,000)"
-                    ),
-                    flush=True,
-                )
-                log = lambda s: print(f"polykv {procedure} calibration B={budget}: {s}", flush=True)
-                self.policies[key] = calibrate.policy_for(
-                    self.model,
-                    self.tok,
-                    self.args.model_name,
-                    budget,
-                    self.args.seed,
-                    Path(self.args.cache_dir),
-                    log=log,
-                    procedure=procedure,
-                    prompt_len=T,
-                )
+                self.policies[key] = self.calibration(budget, procedure, T)
         pol = self.policies[key]
         return pol if pol.budget == budget else pol.rescaled(budget)
 
@@ -282,6 +259,31 @@ class Methods:
                              f"this run's is {self.args.model_name!r} (python calibrate.py "
                              "--model DIR --out FILE calibrates one for it)")
         return pol
+
+    def calibration(self, budget: int, procedure: str, T: int) -> P.Policy:
+        """The policy of (procedure, budget) calibrated on T-token prompts: from --cache-dir, else
+        (embedded model) the repository's policies/, else calibrated once into --cache-dir
+        (calibrate.policy_for); --recalibrate: calibrated whatever exists."""
+        args = self.args
+        # the repository's policies: the embedded model's, calibrated in fp32
+        embedded = args.model is None and self.model.dtype == torch.float32
+        shipped = calibrate.SHIPPED if embedded else None
+        path = calibrate.policy_path(args.model_name, budget, args.seed, args.cache_dir,
+                                     procedure, T)
+        kept = calibrate.policy_path(args.model_name, budget, args.seed, shipped, procedure, T) \
+            if shipped is not None else None
+        if args.recalibrate or not (path.exists() or (kept is not None and kept.exists())):
+            where = (f"calibrating on {T}-token prompts into {path} (2 CPU cores: about 4-9 min "
+                     "at 2,048 tokens, 4x that at 8,000)")
+        else:
+            where = str(path if path.exists() else kept)
+        print(f"polykv ({procedure}): policy for budget {budget}: {where}", flush=True)
+
+        def log(line):
+            print(f"polykv {procedure} calibration B={budget}: {line}", flush=True)
+        return calibrate.policy_for(self.model, self.tok, args.model_name, budget, args.seed,
+                                    Path(args.cache_dir), log=log, procedure=procedure,
+                                    shipped=shipped, recalibrate=args.recalibrate, prompt_len=T)
 
     def check_calibration(self, budget: int, T: int):
         """A calibration on T-token prompts is possible at `budget` in this model's window, checked
@@ -617,6 +619,9 @@ def parse(argv):
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--cache-dir", default=str(M.default_model_dir().parent / "policies"))
+    ap.add_argument("--recalibrate", action="store_true",
+                    help="calibrate PolyKV's policies again even where --cache-dir or, for the "
+                         "embedded model, the repository's policies/ holds them")
     ap.add_argument(
         "--calibration-length",
         type=int,

@@ -25,7 +25,6 @@ Design notes (GQA reduction, ties, departures from the original code): docs/desi
 from __future__ import annotations
 
 import json
-import math
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,6 +36,7 @@ import torch.nn.functional as F
 import model as M
 from model import Cache, Hooks, attention_probs
 from support.errors import UsageError
+from support.fast_observe import ATTENTION_STATS, observe_layer
 from support.files import write_atomic
 
 
@@ -53,7 +53,6 @@ from support.files import write_atomic
 # object with lowest(T) (the first query row it reads), begin(q, lc, layer) -> state,
 # add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
 # and merge(other) -> the one statistic that serves both.
-ATTENTION_STATS = ("colsum", "window", "last")      # those read off the prompt's own attention
 
 
 @dataclass(frozen=True)
@@ -156,73 +155,40 @@ class Method:
         return self.compress(model, full, obs)
 
 
-def causal_probs(q, k, c0: int) -> torch.Tensor:
-    """A[b, h, i, j] (B, H, c, c1) of query rows c0..c1−1 over keys 0..c1−1 of a fresh prefill
-    (key j at position j, bias 0): model.attention_probs with the mask reduced to the upper
-    triangle of the last c×c block, fp32 (fp64 for fp64 inputs). The scale 1/√D goes on the
-    queries before the product (exact when D is a power of 4, e.g. 64; else a rounding apart).
-    Tested against it."""
-    B, H, c, D = q.shape
-    G, c1 = k.shape[1], k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # one (g·c, D) x (D, c1) product per KV group: the keys are never broadcast to g copies
-    # (a loop of 2-D products: faster on CPU than one batched product over transposed keys)
-    qg = (q.to(acc) / math.sqrt(D)).reshape(B, G, H // G * c, D)             # (B, G, g·c, D)
-    kk = k.to(acc)
-    logits = qg.new_empty(B, G, H // G, c, c1)                               # (B, G, g, c, c1)
-    for b in range(B):
-        for gi in range(G):
-            torch.mm(qg[b, gi], kk[b, gi].T, out=logits[b, gi].view(-1, c1))
-    tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)       # j > i: the future
-    logits[..., c0:].masked_fill_(tri, float("-inf"))
-    return torch.softmax(logits, dim=-1).view(B, H, c, c1)
-
-
-def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer: int = 0):
-    """Every requested statistic of one layer from one pass over its attention.
-
-    q (B, H, T, D) are the prompt's queries and lc its fresh FullKV cache (key j at position j,
-    so query rows [c0, c1) see keys [0, c1) only: the causal key range). Query rows go in
-    descending chunks; each chunk's A (B, H, c, c1) is computed once (`causal_probs`) and feeds
-    the column sums, the window sums, the last row and every extra statistic. Rows no statistic
-    reads are skipped. Returns ({name: (B, H, T)}, {extra name: value})."""
+def observe_layer_naive(q, q_pos, lc, names, window: int, chunk: int = 0, extra=(),
+                        layer: int = 0):
+    """Every requested statistic of one layer from its whole attention matrix, the naive form:
+    A (B, H, T, T) = model.attention_probs of the prompt's queries q (B, H, T, D) over its fresh
+    cache lc, then the column sums, the window sums and the last row, and each extra statistic
+    fed the rows it reads in one piece. support/fast_observe.py computes the same in query
+    chunks, never holding A (the default of `observe`; tested equal). chunk: unused here.
+    Returns ({name: (B, H, T)}, {extra name: value})."""
     B, H, T, D = q.shape
-    # a fresh prefill's bias is 0 by construction (model.LayerCache.append); it is not read
-    # here, which would cost a host synchronisation per layer
-    assert lc.size == T, "observe_layer reads a fresh prefill (key j at position j)"
     names = [k for k in names if k in ATTENTION_STATS]
-    lowest = (
-        0
-        if "colsum" in names
-        else min(
-            [T - 1]
-            + [T - min(window, T)] * ("window" in names)
-            + [st.lowest(T, layer) for _, st in extra]
-        )
-    )
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
-    state = {name: st.begin(q, lc, layer) for name, st in extra}
-    for c1 in range(T, lowest, -chunk):
-        c0 = max(lowest, c1 - chunk)
-        p = causal_probs(q[:, :, c0:c1], lc.k[:, :, :c1], c0)        # (B, H, c, c1)
-        if "colsum" in names:
-            out["colsum"][..., :c1] += p.sum(2)                      # Σ_{all i} A[h,i,j]
-        if "window" in names and c1 > T - window:
-            out["window"][..., :c1] += p[:, :, max(0, T - window - c0):].sum(2)   # Σ_{i ≥ T−w}
-        if "last" in names and c1 == T:
-            out["last"] = F.pad(p[:, :, -1], (0, T - c1))            # A[h,T−1,j]
-        for name, st in extra:
-            st.add(state[name], c0, c1, p)
-    return out, {name: st.end(state[name]) for name, st in extra}
+    A = attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                 # (B, H, T, T) causal
+    out = {}
+    if "colsum" in names:
+        out["colsum"] = A.sum(2)                                           # Σ_{all i} A[h,i,j]
+    if "window" in names:
+        out["window"] = A[:, :, T - min(window, T):].sum(2)                # Σ_{i ≥ T−w} A[h,i,j]
+    if "last" in names:
+        out["last"] = A[:, :, -1]                                          # A[h,T−1,j]
+    values = {}
+    for name, st in extra:
+        lo = st.lowest(T, layer)
+        state = st.begin(q, lc, layer)
+        st.add(state, lo, T, A[:, :, lo:])                                 # rows lo..T−1
+        values[name] = st.end(state)
+    return out, values
 
 
 @torch.no_grad()
-def observe(model, tokens, needs: Needs, spy=None):
+def observe(model, tokens, needs: Needs, spy=None, layer_pass=observe_layer):
     """One full-attention prefill of tokens (B, T) recording what `needs` asks for, each layer's
-    attention computed once (then the extra passes of the statistics read, e.g. KVzip's): (FullKV
-    cache,
-    Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out)."""
+    attention computed once (then the extra passes of the statistics read, e.g. KVzip's):
+    (FullKV cache, Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out);
+    layer_pass: how a layer's statistics are read off its attention, in query chunks
+    (support/fast_observe.py) or `observe_layer_naive`."""
     L, per_layer = model.config.n_layers, needs.stats or (frozenset(),) * model.config.n_layers
     obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
 
@@ -234,8 +200,8 @@ def observe(model, tokens, needs: Needs, spy=None):
 
     def post_kernel(layer, q, q_pos, lc, out):
         names = per_layer[layer]
-        obs.stats[layer], ex = observe_layer(q, q_pos, lc, names, needs.window, needs.chunk,
-                                             needs.extra, layer)
+        obs.stats[layer], ex = layer_pass(q, q_pos, lc, names, needs.window, needs.chunk,
+                                          needs.extra, layer)
         for name in during:
             if name in names:
                 obs.stats[layer][name] = STATISTICS[name].per_layer(q, q_pos, model, needs)

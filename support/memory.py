@@ -121,7 +121,7 @@ def stream(s: Shape, T: int) -> int:
 
 def held(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     """{term: bytes} an observation leaves for the compressions: the FullKV cache with its append
-    room, and per statistic in `needs` what every layer keeps (polykv.observe_layer,
+    room, and per statistic in `needs` what every layer keeps (support.fast_observe.observe_layer,
     query_stats, gracekv.ValueFlow, model.surprisal; KVzip's scores, from its pass)."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     r = min(k.window, T)
@@ -142,7 +142,7 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     observation hook's and the surprisal's (after the last block)."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     c = min(k.chunk, T)
-    # polykv.observe_layer: query rows in descending chunks of c (only the last w rows for the
+    # fast_observe.observe_layer: query rows in descending chunks of c (only the last w rows for the
     # window alone, the last row for TOVA's); the previous chunk's A (H, c, T) alive while the
     # next chunk's logits and softmax are made: 3 × (H, c, T) in a; GraceKV's group mean
     rows = c if {"colsum", "flow"} & set(needs) else min(k.window, T) if "window" in needs else 1

@@ -332,6 +332,27 @@ def test_policy_for_caches_and_checks_layers(tmp_path):
     assert "\n" not in str(e.value)
 
 
+def test_policy_for_reads_shipped_policies_and_recalibrates(tmp_path):
+    """A shipped folder is read where the cache has no file (nothing is written); a recorded
+    setting other than the one asked is refused; recalibrate ignores both and writes the cache."""
+    m, tx = tiny(4), texts(4)
+    shipped, cache = tmp_path / "shipped", tmp_path / "cache"
+    made = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=shipped, texts=tx, settings=SET,
+                        cont_len=N)
+    [file] = shipped.iterdir()
+    marked = P.Policy(made.layers, made.budget, made.settings, {**made.meta, "mark": 1})
+    marked.save(file)
+    got = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped)
+    assert got.meta["mark"] == 1 and got.layers == made.layers and not cache.exists()
+    with pytest.raises(UsageError, match=r"sensitivity='entropy' \(asked 'ppl'\)"):
+        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
+                     sensitivity="ppl")
+    again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
+                         recalibrate=True, texts=tx, settings=SET, cont_len=N)
+    assert "mark" not in again.meta and again.layers == made.layers
+    assert [f.name for f in cache.iterdir()] == [file.name]
+
+
 def test_cli_errors_are_one_line(capsys):
     for argv, msg in ((["--budget", "0"], "budget"),
                       (["--budget", "512", "--prompt-len", "300"], "longer than the budget"),

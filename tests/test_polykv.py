@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 import baselines  # noqa: F401  (registers K-norm, Expected Attention, KVzip)
 import model as M
 import polykv as P
+from support.fast_observe import causal_probs
 from model import UsageError
 from conftest import REPEAT, tiny as tiny_llama
 
@@ -259,5 +260,5 @@ def test_causal_probs_equal_attention_probs(T, chunk, seed):
                                  torch.zeros(2, 2, c1, dtype=torch.float64), pos[:, c0:c1],
                                  pos[:, None, :c1].expand(2, 2, c1))
         assert torch.allclose(
-            P.causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0
+            causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0
         )

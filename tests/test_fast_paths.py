@@ -1,0 +1,87 @@
+"""The fast paths against the naive forms they replace: the shared observation in query chunks
+(support/fast_observe.py, polykv.observe's default) against the whole attention matrix of each
+layer (polykv.observe_layer_naive), for every method that needs no calibration: the same
+statistics, the same kept sets and the same decoded logits. Tiny random LLaMA in fp64, chunks of
+5 query rows so that every prompt takes several."""
+import pytest
+import torch
+
+import evaluate as E
+import gracekv_variants as V
+import model as M
+import polykv as P
+from conftest import REPEAT, tiny
+
+SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
+GRACE = "[window=4;slot_min=3;slot_max=8;slot_target=5;bend_widths=(2,3);prefetch=3;seeds=3]"
+T, BUDGET, N = 40, 12, 4
+NAMES = [n for n in E.all_methods() if E.family(n) != "polykv" and n != "full"]
+
+pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
+
+
+def make(name: str, L: int) -> P.Method:
+    if V.is_row(name):
+        return V.variant(name + GRACE, BUDGET)
+    return E.method(name, BUDGET, L, SET)
+
+
+def same_statistics(a, b):
+    """Two observations: every statistic of every layer equal to rounding (fp64)."""
+    for la, lb in zip(a.stats, b.stats):
+        assert la.keys() == lb.keys()
+        for k in la:
+            for x, y in zip(*(v if isinstance(v, tuple) else (v,) for v in (la[k], lb[k]))):
+                torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-13)
+    for name in a.extra:
+        for va, vb in zip(a.extra[name], b.extra[name]):
+            for x, y in zip(va, vb):
+                if isinstance(x, torch.Tensor):
+                    torch.testing.assert_close(x, y, rtol=1e-10, atol=1e-13)
+                else:
+                    assert x == y
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_chunked_observation_equals_the_naive_one_for_every_method(seed):
+    m = tiny(seed)
+    x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(seed))
+    methods = {n: make(n, m.config.n_layers) for n in NAMES}
+    needs = P.union([meth.needs(m) for meth in methods.values()], m.config.n_layers)
+    assert needs.chunk == 5 and needs.extra           # several chunks; GraceKV's flow too
+    full, fast = P.observe(m, x[:, :T], needs)
+    _, naive = P.observe(m, x[:, :T], needs, layer_pass=P.observe_layer_naive)
+    same_statistics(fast, naive)
+    for name, meth in methods.items():
+        a, b = meth.compress(m, full, fast), meth.compress(m, full, naive)
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.pos, lb.pos), name              # the same kept sets
+            assert torch.equal(la.bias, lb.bias) or name.startswith("gracekv"), name
+            torch.testing.assert_close(la.bias, lb.bias, rtol=1e-9, atol=1e-12)
+        la = M.decode(m, x[:, T:], a.fork(), meth.decoder)
+        lb = M.decode(m, x[:, T:], b.fork(), meth.decoder)
+        torch.testing.assert_close(la, lb, rtol=1e-8, atol=1e-10)
+
+
+def test_the_naive_layer_pass_reads_the_whole_matrix():
+    """observe_layer_naive against a hand computation from model.attention_probs: colsum,
+    window and last of one layer."""
+    m = tiny(3)
+    x = torch.randint(1, 50, (1, 20), generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    def spy(layer, q, q_pos, lc, out):
+        seen[layer] = (q, q_pos, lc)
+    P.observe(m, x, P.Needs(), spy=spy)
+    q, q_pos, lc = seen[1]
+    out, _ = P.observe_layer_naive(q, q_pos, lc, ("colsum", "window", "last"), 6)
+    A = M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                # (1, H, T, T)
+    Tn = x.shape[1]
+    for h in range(A.shape[1]):
+        for j in range(Tn):
+            assert out["colsum"][0, h, j] == pytest.approx(sum(float(A[0, h, i, j])
+                                                               for i in range(Tn)), abs=1e-12)
+            assert out["window"][0, h, j] == pytest.approx(sum(float(A[0, h, i, j])
+                                                               for i in range(Tn - 6, Tn)),
+                                                           abs=1e-12)
+            assert out["last"][0, h, j] == A[0, h, Tn - 1, j]
