@@ -61,6 +61,7 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 from __future__ import annotations
 
 import functools
+import inspect
 import json
 import math
 import random
@@ -350,7 +351,11 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
         raise UsageError(f"b_min must be in [0, B={budget}], got {b_min}")
     cap = L * budget if cap is None else cap
     pool = list(sig["prefill"]["cosine"])            # the pool the signals were measured on
-    rules = {"prefill": best_rules(sig["prefill"], pool, preference),
+    chosen = best_rules(sig["prefill"], pool, preference)
+    if chosen != sig.get("decode_probe_prefill", chosen):
+        raise UsageError(f"the decode signals were measured under the prefill rules another "
+                         f"preference chose: measure with preference={preference!r}")
+    rules = {"prefill": chosen,
              "decode": best_rules(sig["decode"], list(sig["decode"]["cosine"]), preference)}
     b = {ph: allocate(sensitivity_of(sig, ph, sensitivity), L * budget, b_min, cap)
          for ph in ("prefill", "decode")}
@@ -417,32 +422,72 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
     found = [] if recalibrate else [path]
     if shipped is not None and not recalibrate:
         found.append(policy_path(model_name, budget, seed, shipped, procedure, length))
+    asked = recipe(procedure, model_name, budget, seed, tok, kw)
     for known in found:
         if known.exists():
-            return checked(model, known, procedure, kw)
+            return checked(model, known, asked)
     policy = PROCEDURES[procedure](model, tok, budget, seed, model_name=model_name, **kw)
     path.parent.mkdir(parents=True, exist_ok=True)
     policy.save(path)
     return policy
 
 
-def checked(model, path: Path, procedure: str, kw: dict) -> Policy:
-    """The policy file `path`, if the calibration settings it records are those asked (the
-    procedure's own, kw, and today's pool); else a UsageError naming them."""
+def checked(model, path: Path, asked: dict) -> Policy:
+    """The policy file `path`, if it was made by what is asked now (`recipe`): else a UsageError
+    naming every difference, on one line."""
     policy = Policy.load(path, n_layers=model.config.n_layers)    # wrong layer count: UsageError
-    have = {**policy.meta.get("calibration", {}), **policy.meta}
-    asked = {**getattr(PROCEDURES[procedure], "keywords", {}), **kw, "pool": list(polykv.pool())}
-    if procedure != "paper":        # a joint file without them: the text-only objective
-        have = {"probes": 0, "retrieval": None, **have}
-        asked = {"probes": JOINT_PROBES, "retrieval": JOINT_RETRIEVAL, **asked}
-    compared = ("preference", "sensitivity", "n_prompts", "prompt_len", "cont_len", "probes",
-                "retrieval", "pool")
-    diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items()
-            if k in compared and have.get(k) != v]
+    have = {**recorded(policy), "format": json.loads(path.read_text()).get("format")}
+    diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items() if have.get(k) != v]
     if diff:
         raise UsageError(f"{str(path)!r} was calibrated with {', '.join(diff)}: remove it or "
                          "pass --recalibrate")
     return policy
+
+
+def recipe(procedure: str, model_name: str, budget: int, seed: int, tok, kw: dict) -> dict:
+    """Every argument that makes a policy, as asked: the procedure (and its objective), the model,
+    budget and seed, the calibration set (its text, prompts, lengths, needles), today's pool, the
+    rules' settings (with KVzip's prompt in tok's vocabulary), b_min, the signals, the joint
+    options; the procedure's defaults where kw leaves them out."""
+    fn = PROCEDURES[procedure]
+    defaults = {name: p.default for name, p in
+                inspect.signature(getattr(fn, "func", fn)).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    args = {**defaults, **getattr(fn, "keywords", {}), **kw}
+    settings = args["settings"] if tok is None else with_prompt(args["settings"], tok)
+    asked = {"format": polykv.POLICY_FORMAT, "model": model_name, "budget": budget, "seed": seed,
+             "pool": list(polykv.pool()),
+             "n_prompts": args["n_prompts"], "prompt_len": args["prompt_len"],
+             "cont_len": args["cont_len"], "settings": settings.__dict__}
+    asked["source"] = TEXT if tok is not None else "given"         # as set_meta records it
+    if args.get("texts") is not None:                               # given texts: their lengths
+        asked.update(n_prompts=len(args["texts"]),
+                     prompt_len=min(len(p) for p, _ in args["texts"]),
+                     cont_len=min(len(c) for _, c in args["texts"]))
+    if procedure == "paper":
+        b_min = budget // 4 if args["b_min"] is None else args["b_min"]
+        asked.update(procedure="paper", preference=args["preference"],
+                     sensitivity=args["sensitivity"], b_min=b_min, needles=0)
+    else:
+        asked.update(procedure="joint", signal=args["signal"], needles=args["needles"],
+                     probes=args["probes"], retrieval=args["retrieval"])
+    return asked
+
+
+def recorded(policy: Policy) -> dict:
+    """What a policy file says made it, keyed as `recipe` (a joint file written before its
+    objective was recorded: the text-only one)."""
+    meta, cal = policy.meta, policy.meta.get("calibration", {})
+    have = {"model": meta.get("model"), "budget": policy.budget, "seed": meta.get("seed"),
+            "procedure": meta.get("procedure"), "settings": dict(policy.settings.__dict__),
+            **{k: cal.get(k) for k in ("source", "n_prompts", "prompt_len", "cont_len",
+                                       "needles", "pool")}}
+    if meta.get("procedure") == "paper":
+        have.update({k: meta.get(k) for k in ("preference", "sensitivity", "b_min")})
+    else:
+        have.update(signal=meta.get("signals", {}).get("signal"),
+                    probes=cal.get("probes", 0), retrieval=cal.get("retrieval"))
+    return have
 
 
 # ----------------------------------------------------------------------------- ablations

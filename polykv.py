@@ -466,6 +466,9 @@ def decode_pool() -> tuple:
     return tuple(name for name, d in DECODE.items() if d.score is not None)
 
 
+POLICY_FORMAT = "polykv-policy/1"      # the policy file's layout (Policy.to_json)
+
+
 class Phase(NamedTuple):
     """One phase of one layer: its rule and its budget (entries per KV head)."""
     rule: str
@@ -675,7 +678,7 @@ class Policy(Method):
 
     # -- JSON -----------------------------------------------------------------------------
     def to_json(self) -> dict:
-        return {"format": "polykv-policy/1", "budget": self.budget, **self.meta,
+        return {"format": POLICY_FORMAT, "budget": self.budget, **self.meta,
                 "settings": self.settings.__dict__,
                 "layers": [{"prefill": lp.prefill._asdict(), "decode": lp.decode._asdict()}
                            for lp in self.layers]}

@@ -1,7 +1,9 @@
 """PolyKV calibration: budget allocation invariants, signals against naive full-model probes,
 a planted layer whose rule choice matters, uniform policies, ablations and the policy cache.
 Tiny random LLaMAs in fp64 on CPU."""
+import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -313,22 +315,24 @@ def test_build_budgets_append_and_ablations():
         C.build(sig, 100, preference="kl")
 
 
+# what a cached policy of the tiny calibration was made with, besides its texts
+SAME = dict(settings=SET, prompt_len=T, cont_len=N)
+
+
 def test_policy_for_caches_and_checks_layers(tmp_path):
     m, tx = tiny(4), texts(4)
-    first = C.policy_for(
-        m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, settings=SET, cont_len=N
-    )
+    first = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
     files = list(tmp_path.iterdir())
-    assert [f.name for f in files] == [f"polykv-tiny_x-B10-seed7-{C.TEXT_VERSION}.json"]
+    assert [f.name for f in files] == [f"polykv-tiny_x-B10-T{T}-seed7-{C.TEXT_VERSION}.json"]
     marked = P.Policy(first.layers, first.budget, first.settings, {**first.meta, "mark": 1})
     marked.save(files[0])                         # a later call loads the file, no recalibration
-    again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path)
+    again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
     assert again.layers == first.layers and again.meta["mark"] == 1
     assert again.meta["signals"] == first.meta["signals"]
     with pytest.raises(UsageError, match=r"calibrated with sensitivity='entropy' \(asked 'ppl'\)"):
-        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, sensitivity="ppl")
+        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, sensitivity="ppl", **SAME)
     with pytest.raises(UsageError, match="has 3 layers, the model has 4") as e:
-        C.policy_for(tiny(4, L=4), None, "tiny/x", B, seed=7, cache_dir=tmp_path)
+        C.policy_for(tiny(4, L=4), None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
     assert "\n" not in str(e.value)
 
 
@@ -337,20 +341,58 @@ def test_policy_for_reads_shipped_policies_and_recalibrates(tmp_path):
     setting other than the one asked is refused; recalibrate ignores both and writes the cache."""
     m, tx = tiny(4), texts(4)
     shipped, cache = tmp_path / "shipped", tmp_path / "cache"
-    made = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=shipped, texts=tx, settings=SET,
-                        cont_len=N)
+    made = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=shipped, texts=tx, **SAME)
     [file] = shipped.iterdir()
     marked = P.Policy(made.layers, made.budget, made.settings, {**made.meta, "mark": 1})
     marked.save(file)
-    got = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped)
+    got = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped, **SAME)
     assert got.meta["mark"] == 1 and got.layers == made.layers and not cache.exists()
     with pytest.raises(UsageError, match=r"sensitivity='entropy' \(asked 'ppl'\)"):
         C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
-                     sensitivity="ppl")
+                     sensitivity="ppl", **SAME)
     again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
-                         recalibrate=True, texts=tx, settings=SET, cont_len=N)
+                         recalibrate=True, texts=tx, **SAME)
     assert "mark" not in again.meta and again.layers == made.layers
     assert [f.name for f in cache.iterdir()] == [file.name]
+
+
+@pytest.mark.parametrize("change,named", [
+    (dict(b_min=0), "b_min=2 (asked 0)"),
+    (dict(preference="ppl"), "preference='cosine' (asked 'ppl')"),
+    (dict(sensitivity="ppl"), "sensitivity='entropy' (asked 'ppl')"),
+    (dict(settings=replace(SET, window=6)), "settings="),
+    (dict(settings=replace(SET, kernel=5)), "settings="),
+    (dict(cont_len=N + 1), f"cont_len={N} (asked {N + 1})"),
+    (dict(n_prompts=3), "n_prompts=2 (asked 3)"),
+])
+def test_a_cached_policy_is_refused_for_any_other_argument(tmp_path, change, named):
+    """The cache is keyed on every argument that makes a policy: a file made with other b_min,
+    preference, sensitivity, rule settings, lengths or number of prompts is refused with one line
+    naming the difference, never silently reused (the procedure, model, budget, seed and prompt
+    length are in the file's name, so another one is another file; they are compared too)."""
+    m, tx = tiny(4), texts(4)
+    C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
+    with pytest.raises(UsageError) as e:
+        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **{**SAME, **change})
+    assert named in str(e.value) and "\n" not in str(e.value)
+    file = next(tmp_path.iterdir())
+    record = json.loads(file.read_text())
+    file.write_text(json.dumps({**record, "format": "polykv-policy/0"}))
+    with pytest.raises(UsageError, match="format='polykv-policy/0'"):
+        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
+
+
+def test_build_refuses_a_preference_the_decode_probes_did_not_run_under():
+    """The decode signals are measured under the prefill rules `measure`'s preference chose;
+    building with a preference that chooses other prefill rules is refused."""
+    m, tx = tiny(4), texts(4)
+    sig = C.measure(m, tx, B, "cosine", SET)
+    other = C.best_rules(sig["prefill"], list(sig["prefill"]["cosine"]), "ppl")
+    if other == sig["decode_probe_prefill"]:
+        pytest.skip("both preferences choose the same prefill rules on this model")
+    with pytest.raises(UsageError, match="preference='ppl'"):
+        C.build(sig, B, preference="ppl", settings=SET)
+    C.build(sig, B, preference="cosine", settings=SET)
 
 
 def test_cli_errors_are_one_line(capsys):

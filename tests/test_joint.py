@@ -10,7 +10,7 @@ import calibrate as C
 import model as M
 import polykv as P
 from support import policy_tables
-from test_calibrate import SET, B, texts, tiny
+from test_calibrate import SET, B, N, T, texts, tiny
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
@@ -83,7 +83,9 @@ def test_joint_scores_equal_naive_runs(seed, signal):
 
 def test_joint_policy_file_records_its_procedure(tmp_path):
     m, tx = tiny(1), texts(1)
-    pol = C.calibrate_joint(m, None, B, texts=tx, settings=SET, probes=0, retrieval=None)
+    pol = C.calibrate_joint(m, None, B, texts=tx, settings=SET, probes=0, retrieval=None,
+                            model_name="x")
+    same = dict(settings=SET, prompt_len=T, cont_len=N)       # what it was made with
     assert pol.meta["procedure"] == "joint" and pol.meta["best_uniform"] in P.pool()
     f = tmp_path / "p.json"
     pol.save(f)
@@ -97,14 +99,14 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
         C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="nope")
     # a text-only joint policy is the file of `joint-text`; under the name of `joint` (whose
     # objective uses retrieval probes) it is refused, never silently reused
-    pol.save(C.policy_path("x", B, 0, tmp_path, "joint-text"))
+    pol.save(C.policy_path("x", B, 0, tmp_path, "joint-text", T))
     assert (
-        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text").layers
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text", **same).layers
         == pol.layers
     )
-    pol.save(C.policy_path("x", B, 0, tmp_path, "joint"))
+    pol.save(C.policy_path("x", B, 0, tmp_path, "joint", T))
     with pytest.raises(M.UsageError, match="retrieval=None \\(asked 'constraint'\\)"):
-        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint")
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint", **same)
     # the calibration length: the default's files keep their names; another length has its own
     # file, and a file calibrated at one length is refused under another's name
     assert C.policy_path("x", B, 0, tmp_path, "joint-text", C.PROMPT_LEN) == C.policy_path(
@@ -116,7 +118,8 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     with pytest.raises(
         M.UsageError, match=f"prompt_len={pol.meta['calibration']['prompt_len']} \\(asked 8000\\)"
     ):
-        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text", prompt_len=8000)
+        C.policy_for(m, None, "x", B, cache_dir=tmp_path, procedure="joint-text",
+                     **{**same, "prompt_len": 8000})
     with pytest.raises(M.UsageError, match="joint procedures only"):
         C.main(["--needles", "1", "--out", str(tmp_path / "q.json")])
 
