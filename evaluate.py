@@ -918,6 +918,13 @@ def make_folder(out: Path):
         raise UsageError(f"--out {str(out)!r}: the folder is not writable")
 
 
+# printed under a table with `agnostic` beside another protocol (docs/protocol.md)
+KL_ACROSS_PROTOCOLS = (
+    "Answer KL and ΔNLL compare within a protocol, not across: under prompt and context the "
+    "answer's first token is scored on the full prefill's last logits (FullKV's own, KL 0), "
+    "under agnostic on the compressed cache after the question is fed.")
+
+
 def summarize(args, config, out, rows, m, t_start):
     """summary.json, summary.md (+ the plot) of a run's per-sample rows, one table per protocol
     (t_start None: a --report of rows written earlier, whose wall time is not known here)."""
@@ -972,6 +979,8 @@ def summarize(args, config, out, rows, m, t_start):
         for p in args.protocol
     ]
     md = header + f" · protocol {','.join(args.protocol)}\n\n" + "\n\n".join(tables)
+    if len(args.protocol) > 1 and "agnostic" in args.protocol and args.tasks:
+        md += "\n\n" + KL_ACROSS_PROTOCOLS
     write_atomic(out / "summary.md", md + "\n")
     print("\n" + md)
     if args.plot:
