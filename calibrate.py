@@ -199,7 +199,9 @@ def probe(model, ref: dict, layer: int, policy: Policy):
     `policy` (a probe_policy for `layer`) applied to the shared FullKV prefill of ref."""
     cache = policy.compress(model, ref["full"], ref["obs"])                  # full left untouched
     seen = []
-    spy = lambda l, q, q_pos, lc, out: seen.append(out)
+
+    def spy(l, q, q_pos, lc, out):       # layer l's attention output (1, H, n, D)
+        seen.append(out)
     dec = policy.decoder                 # decode rule evicts: one token at a time, as model.decode
     hooks = Hooks(post_kernel=spy, cache_update=dec.cache_update if dec else None)
     x, pos, lc = ref["xs"][layer], ref["pos"], cache.layers[layer]
@@ -220,7 +222,7 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     """Every signal, JSON-ready. pairs: [(prompt_ids, cont_ids)]; the decode probes use the
     prefill rules chosen by `preference`."""
     L, dev = model.config.n_layers, model.device
-    log = log or (lambda *_: None)
+    log = log or quiet
     refs = []
     for i, (p, c) in enumerate(pairs):
         t0 = time.time()
@@ -232,7 +234,9 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
             f"({time.time() - t0:.0f} s)"
         )
     count = sum(len(c) - 1 for _, c in pairs)
-    ppl = lambda nll: math.exp(nll / count)                                  # PPL = exp(mean NLL)
+
+    def ppl(nll):                                                            # PPL = exp(mean NLL)
+        return math.exp(nll / count)
     ppl_full = ppl(sum(r["nll"] for r in refs))
     sig = {"entropy": [sum(r["entropy"][l] for r in refs) / len(refs) for l in range(L)],
            "ppl_full": ppl_full}
@@ -324,10 +328,13 @@ def allocate(signal, total: int, b_min: int, cap: int) -> list:
 
 def best_rules(phase_signals: dict, pool, preference: str) -> list:
     """Per layer, argmax cos (or argmin ΔPPL) over the pool; ties to the earlier rule."""
-    key = {"cosine": lambda r, l: -phase_signals["cosine"][r][l],
-           "ppl": lambda r, l: phase_signals["dppl"][r][l]}[preference]
+    if preference not in ("cosine", "ppl"):
+        raise UsageError(f"preference must be cosine|ppl, got {preference!r}")
+    # cosine: higher is better (its negative is minimised); ΔPPL: lower is better
+    signal, sign = (phase_signals["cosine"], -1) if preference == "cosine" else \
+        (phase_signals["dppl"], 1)
     L = len(phase_signals["cosine"][pool[0]])
-    return [min(pool, key=lambda r: key(r, l)) for l in range(L)]
+    return [min(pool, key=lambda r: sign * signal[r][l]) for l in range(L)]
 
 
 def sensitivity_of(sig: dict, phase: str, sensitivity: str) -> list:
@@ -594,7 +601,10 @@ def run_from(model, ref, layer: int, x, caches) -> tuple:
     """Layers layer..L−1 on the continuation's stream x (1, n, dim) entering `layer`, layer l
     attending to caches[l]: (log p (n, V), [stream entering each layer > layer], layer's output)."""
     seen, xs = [], []
-    spy = lambda l, q, q_pos, lc, out: seen.append(out) if l == layer else None
+
+    def spy(l, q, q_pos, lc, out):       # the starting layer's attention output
+        if l == layer:
+            seen.append(out)
     x = M.run_layers(model, x, ref["pos"], caches, layer, Hooks(post_kernel=spy), xs)
     return log_probs(model, x), xs[1:], seen[0]
 
@@ -666,7 +676,7 @@ def measure_joint(
     text (prompt, continuation) pairs; probes: retrieval probes (prompt, answer); retrieval:
     how the probes enter the choice (`Objective`)."""
     L, dev, pool = model.config.n_layers, model.device, polykv.pool()
-    log, goal, n_text = log or (lambda *_: None), Objective(retrieval), len(pairs)
+    log, goal, n_text = log or quiet, Objective(retrieval), len(pairs)
     t0 = time.time()
     refs = []
     for p, c in list(pairs) + list(probes):
@@ -683,24 +693,26 @@ def measure_joint(
         for r in pool
     }
     log(f"{len(refs)} FullKV prefills and {len(pool)} compressions ({time.time() - t0:.0f} s)")
-    x0 = [model.embed_tokens(ref["cont"]) for ref in refs]
-    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0
+    x0 = [model.embed_tokens(ref["cont"]) for ref in refs]   # each prompt's stream into layer 0
+    prompts = range(len(refs))
 
-    def evaluate(layer, caches_of, xs_of) -> Trial:
-        """Every prompt run from `layer` with the caches caches_of(i) and streams xs_of(i)."""
+    def evaluate(layer, caches, entering) -> Trial:
+        """Every prompt i run from `layer` with its layer caches caches[i] (L) and the stream
+        entering[i] (1, n, dim) into that layer."""
         kls, coss, dn, streams = [], [], [], []
         for i, ref in enumerate(refs):
-            lp, xs, out = run_from(model, ref, layer, xs_of(i), caches_of(i))
+            lp, xs, out = run_from(model, ref, layer, entering[i], caches[i])
             if i < n_text:
                 kls.append(kl(ref["lp"], lp))
                 coss.append(cosine(out, ref["out"][layer]))
             else:
                 dn.append(answer_dnll(ref, lp))
             streams.append(xs)
-        return Trial(mean(kls) if signal == "kl" else -mean(coss), mean(kls), mean(dn), streams)
+        text = mean_or_zero(kls) if signal == "kl" else -mean_or_zero(coss)
+        return Trial(text, mean_or_zero(kls), mean_or_zero(dn), streams)
 
     # 1. the start: the best uniform rule by end-to-end KL (admissible under the objective)
-    uniform = {r: evaluate(0, lambda i, r=r: comp[r][i].layers, lambda i: x0[i]) for r in pool}
+    uniform = {r: evaluate(0, [c.layers for c in comp[r]], x0) for r in pool}
     if goal.mode == "constraint":
         goal.tau = min(uniform[r].probe for r in pool)
     start = min(pool, key=lambda r: goal.key(uniform[r], uniform[r].kl))
@@ -723,14 +735,16 @@ def measure_joint(
     )
 
     # 2. sweeps over the layers: every rule at layer l, the other layers as chosen so far
-    caches = lambda i, a: [comp[a[l]][i].layers[l] for l in range(L)]
+    def layers_of(rules):        # per prompt, layer l compressed by rules[l]
+        return [[comp[rules[l]][i].layers[l] for l in range(L)] for i in prompts]
+
     for sweep in range(sweeps):
         changed, scores, probe_scores = [], [], []
         for l in range(L):
             cand = {}
             for r in pool:
                 trial = assign[:l] + [r] + assign[l + 1:]
-                cand[r] = evaluate(l, lambda i, t=trial: caches(i, t), lambda i: xs[i][l])
+                cand[r] = evaluate(l, layers_of(trial), [xs[i][l] for i in prompts])
             best = min(pool, key=lambda r: goal.key(cand[r]))
             scores.append({r: cand[r].text for r in pool})
             probe_scores.append({r: cand[r].probe for r in pool})
@@ -766,11 +780,9 @@ def measure_joint(
         }
         sens = []
         for l in range(L):
-            trial = lambda i, l=l: [
-                half[assign[l]][i].layers[k] if k == l else comp[assign[k]][i].layers[k]
-                for k in range(L)
-            ]
-            sens.append(max(0.0, evaluate(l, trial, lambda i: xs[i][l]).kl - cur.kl))
+            halved = [[half[assign[l]][i].layers[k] if k == l else comp[assign[k]][i].layers[k]
+                       for k in range(L)] for i in prompts]           # layer l at half its budget
+            sens.append(max(0.0, evaluate(l, halved, [xs[i][l] for i in prompts]).kl - cur.kl))
         T = min(ref["full"].layers[0].k.shape[2] for ref in refs)
         target = allocate(sens, L * budget, budget // 4, T)
         tried = {"0": (cur, budgets)}
@@ -780,7 +792,7 @@ def measure_joint(
                 policy_of(assign, b, settings).compress(model, ref["full"], ref["obs"])
                 for ref in refs
             ]
-            tried[str(alpha)] = (evaluate(0, lambda i: made[i].layers, lambda i: x0[i]), b)
+            tried[str(alpha)] = (evaluate(0, [c.layers for c in made], x0), b)
         alpha = min(tried, key=lambda a: goal.key(tried[a][0], tried[a][0].kl))
         final, budgets = tried[alpha]
         sig["budget"] = {
@@ -794,6 +806,14 @@ def measure_joint(
     sig.update(rules=assign, budgets=budgets, final={"kl": final.kl, "probe": final.probe} if probes
                else {"kl": final.kl}, seconds=round(time.time() - t0, 1))
     return sig
+
+
+def mean_or_zero(xs) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def quiet(*_):
+    """A log that prints nothing."""
 
 
 def build_joint(
