@@ -487,7 +487,9 @@ def answer_done(tok, sample):
     RULER's 128 tokens (24 on CPU, evaluate.py --max-new-tokens)."""
     if not (sample.metric.startswith("string_match") or sample.task in metrics.FIRST_LINE_TASKS):
         return None
-    return lambda ids: "\n" in tok.decode(ids).lstrip()
+    def done(ids):                         # a newline after some text: the first line is complete
+        return "\n" in tok.decode(ids).lstrip()
+    return done
 
 
 def result_key(name, budget, item, protocol="prompt", turn=0) -> str:
@@ -511,7 +513,9 @@ def build_items(tok, args, model):
     """The suite, deterministic from args.seed: fidelity prompts, RULER tasks, LongBench; each
     prompt with a question carries its (prefix, question) split when a protocol needs it."""
     dev = model.device
-    as_t = lambda ids: torch.tensor([ids], device=dev)
+
+    def as_t(ids):                          # (1, n) token ids on the model's device
+        return torch.tensor([ids], device=dev)
     cut = args.protocol != ["prompt"]         # a protocol reads where the question sits
     items = []
     for length in args.fidelity_length:
@@ -802,26 +806,17 @@ def main(argv=None):
     # equal memory under context / agnostic / later questions: every cache also holds the exact
     # prefix and questions
     # prompt: before a later question
-    gold = lambda it: it.target.shape[1] if it.target is not None and it.turns else 0
-    args.allowance += max(
-        [
-            sum(it.split) + gold(it) + max([q.shape[1] for q, _, _ in it.turns] or [0])
-            for it in items
-            if it.split
-        ]
-        or [0]
-    )
+    def free(it):        # the prefix, question, first answer and longest later question
+        gold = it.target.shape[1] if it.target is not None and it.turns else 0
+        return sum(it.split) + gold + max([q.shape[1] for q, _, _ in it.turns] or [0])
+    args.allowance += max([free(it) for it in items if it.split] or [0])
     rows = [
         r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=not args.report)
     ]
     done = {r["key"] for r in rows}
-    every = lambda it: {
-        k
-        for n in args.methods
-        for b in args.budget
-        for p in args.protocol
-        for k in keys(n, b, it, p)
-    }
+    def every(it):       # every row key the run asks of an item
+        return {k for n in args.methods for b in args.budget for p in args.protocol
+                for k in keys(n, b, it, p)}
     if args.report:                       # the prompts every row of which is there, nothing run
         finished = [it for it in items if every(it) <= done]
         wanted = set().union(*map(every, finished))
