@@ -35,6 +35,7 @@ earlier readings, ablations); the kernels never branch on them.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import math
 from dataclasses import dataclass, field, replace
@@ -48,7 +49,7 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
-from support.greedy import Last, batched_logits, by_length, peek
+from support.greedy import Last, batched_logits, by_length, prefetched_flow
 
 
 @dataclass(frozen=True)
@@ -801,87 +802,60 @@ def rank_by_gain(cx, plan: Plan) -> dict:
     return dict(plan.add_gain)
 
 
-def allocate(cx, B_alloc: int) -> Plan:
-    """Budget flow: a global max-heap over add(root) (eq. 12, ranked by f.rank_adds,
-    applied alone at cost 1) and split(added node) (eq. 13) by gain per entry. Nodes get their
-    best split lazily, in batches, before an action that brings them in (and the next `prefetch`
-    best) is applied, so every available action is known when it competes. Extractions mark
-    holes in cx.units.hole: one Context serves one call. B_alloc counts entries (the cache is
-    ragged: each unit holds exactly its own); an action whose cost does not fit what is left
-    is dropped [choice: not retried]."""
-    # floor = holes before the greedy
+def adds(cx, B_alloc: int) -> tuple:
+    """Eq. 12's adds: every slot's root of every unit with its Δ_add = ω·R(root)·(D_drop −
+    D(root)), ranked by f.rank_adds (eq. 13 as stated: by the gain itself). Returns the Plan and
+    the heap of (−gain/cost, tie, kind, node) it starts from."""
+    # floor = the holes before the greedy
     plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots)
-    left = B_alloc                                                  # entries: the cache is ragged
     roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
     if roots:
         u, a, b = (torch.tensor(x, device=cx.units.kr.device) for x in zip(*roots))
-        st = node_stats(cx.units, u, a, b)
-        keep = (st["n"] > 0).nonzero()[:, 0]
-        gain = (cx.omega[st["unit"]] * st["R"] * (st["Ddrop"] - st["D"]))[keep].tolist()
-        plan.add_gain = dict(zip(add_nodes(plan.nodes, st, keep), gain))
+        stats = node_stats(cx.units, u, a, b)
+        keep = (stats["n"] > 0).nonzero()[:, 0]
+        gain = cx.omega[stats["unit"]] * stats["R"] * (stats["Ddrop"] - stats["D"])
+        plan.add_gain = dict(zip(add_nodes(plan.nodes, stats, keep), gain[keep].tolist()))
     rank = plan.add_rank = cx.f.rank_adds(cx, plan)
-    heap = [(-g, i, "add", i) for i, g in rank.items()]             # (−gain/cost, tie, kind, node)
+    heap = [(-g, i, "add", i) for i, g in rank.items()]
     heapq.heapify(heap)
-    nd, tie = plan.nodes, len(heap)
+    return plan, heap
 
-    def entering(kind, v):      # unevaluated splittable nodes an action brings into the cache
-        new = [v] if kind == "add" else plan.split[v].children
-        return [c for c in new if nd[c].n > 1 and c not in plan.split]
 
-    def fits(kind, v):          # the action's cost fits in what is left now
-        return (1 if kind == "add" else plan.split[v].cost) <= left
-
-    def below(kind, v, tau):    # what the action brings in and, down splits already evaluated
-        # that rank >= tau (applied soon after it), what they bring in
-        out = entering(kind, v)
-        walk = [
-            c
-            for c in ([v] if kind == "add" else plan.split[v].children)
-            if nd[c].n > 1 and c in plan.split
-        ]
-        while walk:
-            c = walk.pop()
-            g, cost, kids = plan.split[c]
-            if g / cost >= tau:
-                out += entering("split", c)
-                walk += [k for k in kids if nd[k].n > 1 and k in plan.split]
-        return out
-
+def allocate(cx, B_alloc: int) -> Plan:
+    """Budget flow (eq. 13), the paper's loop: one max-heap over add(root) (cost 1) and
+    split(added node) (cost = children − 1) by gain per entry; the best action is applied if its
+    cost fits what is left, else dropped [choice: not retried]; a node entering the cache gets
+    its best split (eq. 12, `best_splits`) and joins the heap. B_alloc counts entries (the
+    cache is ragged: each unit holds exactly its own). Extractions mark holes in
+    cx.units.hole: one Context serves one call. `allocate_prefetched` is the same flow with the
+    splits evaluated ahead in batches (the default; tested equal)."""
+    plan, heap = adds(cx, B_alloc)
+    nodes, tie, left = plan.nodes, len(heap), B_alloc
     while heap and left > 0:
-        kind, v = heap[0][2:]
-        if not fits(kind, v):
-            heapq.heappop(heap)
-            plan.dropped.append((len(plan.steps), kind, v))
-            continue
-        if entering(kind, v):
-            # evaluate what the next `prefetch` affordable actions bring in, directly or below
-            # evaluated splits ranked above the prefetch-th (extraction chains: one round, not
-            # one per link), then the children of those whose split ranks above it too
-            top = peek(heap, cx.s.prefetch)
-            tau, done = -top[-1][0], 0
-            todo = {c for e in top if fits(*e[2:]) for c in below(*e[2:], tau)}
-            while todo and done < 4 * cx.s.prefetch:                    # bounded look-ahead
-                best_splits(cx, plan, sorted(todo))
-                done += len(todo)
-                todo = {
-                    c
-                    for v in todo
-                    if plan.split[v].gain / plan.split[v].cost >= tau and fits("split", v)
-                    for c in entering("split", v)
-                }
         _, _, kind, v = heapq.heappop(heap)
         gain, cost, kids = (plan.add_gain[v], 1, [v]) if kind == "add" else plan.split[v]
+        if cost > left:                                             # does not fit: dropped
+            plan.dropped.append((len(plan.steps), kind, v))
+            continue
         left -= cost
         plan.steps.append((kind, v, gain, cost))
         if kind == "split":
             plan.frontier.remove(v)
         plan.frontier.update(kids)
-        for c in kids:
-            if nd[c].n > 1:
-                sg, sc, _ = plan.split[c]
-                tie += 1
-                heapq.heappush(heap, (-sg / sc, tie, "split", c))
+        splittable = [c for c in kids if nodes[c].n > 1]
+        best_splits(cx, plan, [c for c in splittable if c not in plan.split])
+        for c in splittable:
+            sg, sc, _ = plan.split[c]
+            tie += 1
+            heapq.heappush(heap, (-sg / sc, tie, "split", c))
     return plan
+
+
+def allocate_prefetched(cx, B_alloc: int) -> Plan:
+    """`allocate` with the best splits evaluated ahead, in batches (support/greedy.py)."""
+    plan, heap = adds(cx, B_alloc)
+    return prefetched_flow(plan, heap, B_alloc, functools.partial(best_splits, cx, plan),
+                           cx.s.prefetch)
 
 
 # ============================================================================= singleton floor
@@ -961,12 +935,14 @@ class Formulas:
 
 @torch.no_grad()
 def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Settings] = None,
-             return_plan: bool = False, formulas: Optional[Formulas] = None, memo=None):
+             return_plan: bool = False, formulas: Optional[Formulas] = None, memo=None,
+             budget_flow: Optional[Callable] = None):
     """A new GraceKV cache from a FullKV prefill `full` of one prompt and its Flow (observe).
 
     At most U·budget real entries; `full` is left untouched (several methods share it).
     memo: a `context_memo()` shared by several calls on one prompt; None computes the
-    budget-independent steps here."""
+    budget-independent steps here. budget_flow: `allocate` (the paper's loop, one node at a
+    time) or `allocate_prefetched` (the default: the same actions, splits evaluated in batches)."""
     s, f = settings or Settings(), formulas or Formulas()
     T, B = full.layers[0].k.shape[2], full.layers[0].k.shape[0]
     if budget < 1:
@@ -991,7 +967,7 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         # B_total − U·r (eq. 2)
         spare = len(cx.omega) * (budget - s.window)
         floor = f.floor(cx, int(s.floor_frac * (budget - s.window)))          # B_floor
-        plan = allocate(cx, spare - floor)                                    # B_alloc
+        plan = (budget_flow or allocate_prefetched)(cx, spare - floor)        # B_alloc
         out = assemble(cx, full, plan)
     return (out, plan) if return_plan else out
 

@@ -1,12 +1,15 @@
 """The fast paths against the naive forms they replace: the shared observation in query chunks
 (support/fast_observe.py, polykv.observe's default) against the whole attention matrix of each
 layer (polykv.observe_layer_naive), for every method that needs no calibration: the same
-statistics, the same kept sets and the same decoded logits. Tiny random LLaMA in fp64, chunks of
-5 query rows so that every prompt takes several."""
+statistics, the same kept sets and the same decoded logits; and GraceKV's budget flow with the
+splits evaluated ahead in batches (gracekv.allocate_prefetched, the default) against the
+paper's loop one node at a time (gracekv.allocate). Tiny random LLaMA in fp64, chunks of 5
+query rows so that every prompt takes several."""
 import pytest
 import torch
 
 import evaluate as E
+import gracekv as GK
 import gracekv_variants as V
 import model as M
 import polykv as P
@@ -85,3 +88,30 @@ def test_the_naive_layer_pass_reads_the_whole_matrix():
                                                                for i in range(Tn - 6, Tn)),
                                                            abs=1e-12)
             assert out["last"][0, h, j] == A[0, h, Tn - 1, j]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("variant", ["gracekv", "gracekv-massgain"])
+def test_prefetched_budget_flow_equals_the_paper_loop(seed, variant):
+    """The same actions in the same order (kind, unit, span, cost), gains equal to rounding, the
+    same cache, at budgets from a few entries past the window to most of the prompt."""
+    m = tiny(seed)
+    x = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
+    method = V.variant(variant + GRACE, BUDGET)
+    settings, formulas = method.settings, method.formulas
+    full, obs = P.observe(m, x, method.needs(m))
+    flow = GK.flow_of(obs, settings.window)
+
+    def spans(plan):
+        return [(k, plan.nodes[v].unit, plan.nodes[v].a, plan.nodes[v].b, c)
+                for k, v, g, c in plan.steps]
+    for budget in (6, 9, BUDGET, 20, 30):
+        fast, a = GK.compress(m, full, flow, budget, settings, True, formulas)
+        naive, b = GK.compress(m, full, flow, budget, settings, True, formulas,
+                               budget_flow=GK.allocate)
+        assert spans(a) == spans(b) and a.dropped == b.dropped, (variant, budget)
+        assert [s[2] for s in a.steps] == pytest.approx([s[2] for s in b.steps], rel=1e-12)
+        for la, lb in zip(fast.layers, naive.layers):
+            assert torch.equal(la.pos, lb.pos)
+            torch.testing.assert_close(la.k, lb.k, rtol=1e-12, atol=1e-14)
+            torch.testing.assert_close(la.bias, lb.bias, rtol=1e-12, atol=1e-14)
