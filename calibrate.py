@@ -48,10 +48,14 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
   chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
   tova} at decode budget B, so d evicts once per token (n evictions). `append` is not a rule at
-  a fixed budget and is never chosen by preference; a layer is *left* `append` only when its
-  decode budget cannot bind within the calibrated horizon, b_{l,dec} ≥ b_{l,pre} + n (append is
-  then the same computation without per-token eviction). With the entropy signal both phases
-  get the same budgets, so every layer evicts during decode and never exceeds b_l.
+  a fixed budget and is never chosen. Every layer keeps its chosen decode rule, even where its
+  decode budget exceeds its prefill budget by more than the n calibration tokens (it then
+  evicts only later): so the decode total stays L·B however long the generation. With the
+  entropy signal both phases get the same budgets, so every layer evicts from the first
+  generated token on and never exceeds b_l.
+- Uniform baselines (the best single rule, for the budget-only ablation): every rule compresses
+  the prompt to B, then *appends* the n tokens, so all hold the same L·G·(B + n) entries
+  (`uniform_run`, equal memory as in the harness).
 - b_min = ⌊B/4⌋; budgets capped at T (the calibration prompt length).
 - Fast path: a probe leaves layers < l untouched, so it starts from the continuation's FullKV
   input to layer l (kept from one reference pass), runs layer l (token by token when its decode
@@ -271,20 +275,32 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     sig["prefill"] = run("prefill", pool, None)
     sig["decode_probe_prefill"] = best_rules(sig["prefill"], pool, preference)
     sig["decode"] = run("decode", polykv.decode_pool(), sig["decode_probe_prefill"])
-    # the uniform baselines on the same text (every layer compressed, model.decode), so that
-    # the harness's budget-only ablation can take the best single rule without seeing eval data
+    # the uniform baselines on the same text (every layer compressed), so that the harness's
+    # budget-only ablation can take the best single rule without seeing eval data
     t0 = time.time()
-    sig["uniform_dppl"] = {}
+    sig["uniform_dppl"], sig["uniform_memory"] = {}, UNIFORM_MEMORY
     for r in pool:
-        uni, nll = Policy.uniform(r, budget, L, settings=settings), 0.0
-        for ref in refs:
-            logits = M.decode(
-                model, ref["cont"], uni.compress(model, ref["full"], ref["obs"]), uni.decoder
-            )
-            nll += float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
+        nll = sum(uniform_run(model, ref, r, budget, settings)[0] for ref in refs)
         sig["uniform_dppl"][r] = ppl(nll) - ppl_full
     log(f"uniform baselines: {len(pool)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
     return sig
+
+
+# at equal memory: how the calibration's uniform baselines run (a policy file records it)
+UNIFORM_MEMORY = "equal: every rule appends the continuation"
+
+
+@torch.no_grad()
+def uniform_run(model, ref: dict, rule: str, budget: int, settings: RuleSettings) -> tuple:
+    """(NLL sum, cache after the continuation): every layer's prompt compressed by `rule` to
+    `budget`, then the continuation teacher-forced with every rule *appending* (no decode-time
+    eviction), so each holds L·G·(B + n) entries at the end whatever its own decode form: the
+    rules compete at equal memory, as in the harness (docs/protocol.md)."""
+    uni = Policy.uniform(rule, budget, model.config.n_layers, decode="append", settings=settings)
+    cache = uni.compress(model, ref["full"], ref["obs"])
+    logits = M.decode(model, ref["cont"], cache)                          # (1, n, V)
+    nll = float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
+    return nll, cache
 
 
 # ----------------------------------------------------------------------------- construction
@@ -346,7 +362,7 @@ def sensitivity_of(sig: dict, phase: str, sensitivity: str) -> list:
 
 
 def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str = "entropy",
-          b_min=None, cap: int = None, horizon: int = 64, settings: RuleSettings = RuleSettings(),
+          b_min=None, cap: int = None, settings: RuleSettings = RuleSettings(),
           meta: dict = None) -> Policy:
     """The static policy from the signals (see the module docstring's construction)."""
     if preference not in ("cosine", "ppl") or sensitivity not in ("entropy", "ppl"):
@@ -367,11 +383,11 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
     b = {ph: allocate(sensitivity_of(sig, ph, sensitivity), L * budget, b_min, cap)
          for ph in ("prefill", "decode")}
     layers = []
-    for l in range(L):
-        dec = "append" if b["decode"][l] >= b["prefill"][l] + horizon else rules["decode"][l]
-        layers.append(LayerPolicy((rules["prefill"][l], b["prefill"][l]), (dec, b["decode"][l])))
+    for l in range(L):          # Σ_l b_{l,dec} = L·B: every layer evicts beyond its own budget
+        layers.append(LayerPolicy((rules["prefill"][l], b["prefill"][l]),
+                                  (rules["decode"][l], b["decode"][l])))
     meta = {**(meta or {}), "method": "polykv", "procedure": "paper", "preference": preference,
-            "sensitivity": sensitivity, "b_min": b_min, "cap": cap, "decode_horizon": horizon,
+            "sensitivity": sensitivity, "b_min": b_min, "cap": cap,
             "signals": sig}
     if "uniform_dppl" in sig:     # the best single rule at this budget, for budget_only
         meta["best_uniform"] = min(pool, key=lambda r: sig["uniform_dppl"][r])
@@ -393,7 +409,7 @@ def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2,
     settings = with_prompt(settings, tok)
     T, n, meta = set_meta(model, tok, texts, budget, seed, model_name, 0, b_min)
     sig = measure(model, texts, budget, preference, settings, log)
-    return build(sig, budget, preference, sensitivity, b_min, cap=T, horizon=n,
+    return build(sig, budget, preference, sensitivity, b_min, cap=T,
                  settings=settings, meta=meta)
 
 
@@ -474,7 +490,8 @@ def recipe(procedure: str, model_name: str, budget: int, seed: int, tok, kw: dic
     if procedure == "paper":
         b_min = budget // 4 if args["b_min"] is None else args["b_min"]
         asked.update(procedure="paper", preference=args["preference"],
-                     sensitivity=args["sensitivity"], b_min=b_min, needles=0)
+                     sensitivity=args["sensitivity"], b_min=b_min, needles=0,
+                     uniform_memory=UNIFORM_MEMORY)
     else:
         asked.update(procedure="joint", signal=args["signal"], needles=args["needles"],
                      probes=args["probes"], retrieval=args["retrieval"])
@@ -490,7 +507,8 @@ def recorded(policy: Policy) -> dict:
             **{k: cal.get(k) for k in ("source", "n_prompts", "prompt_len", "cont_len",
                                        "needles", "pool")}}
     if meta.get("procedure") == "paper":
-        have.update({k: meta.get(k) for k in ("preference", "sensitivity", "b_min")})
+        have.update({k: meta.get(k) for k in ("preference", "sensitivity", "b_min")},
+                    uniform_memory=meta.get("signals", {}).get("uniform_memory"))
     else:
         have.update(signal=meta.get("signals", {}).get("signal"),
                     probes=cal.get("probes", 0), retrieval=cal.get("retrieval"))

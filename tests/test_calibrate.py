@@ -154,13 +154,21 @@ def test_signals_equal_naive_probes(seed):
         max(P.pool(), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool().index(r)))
         for l in range(L)
     ]
-    for r in P.pool():                          # uniform baselines: a fresh prefill + model.decode
+    # uniform baselines at equal memory: a fresh prefill compressed by the rule, then the
+    # continuation appended by every rule (model.decode without a decoder), whatever its own
+    # decode form; every rule then holds the same entries, L·G·(B + N)
+    held = L * m.config.n_kv_heads * (B + N)
+    for r in P.pool():
         nll = 0.0
         for p, c in pairs:
-            uni = P.Policy.uniform(r, B, L, settings=SET)
-            logits = M.decode(m, c, uni.prefill(m, p), uni.decoder)
+            cache = P.Policy.uniform(r, B, L, settings=SET).prefill(m, p)
+            logits = M.decode(m, c, cache)
+            assert cache.entries() == held, r
             nll += float(F.cross_entropy(logits[0, :-1], c[0, 1:], reduction="sum"))
         assert sig["uniform_dppl"][r] == pytest.approx(ppl(nll) - ppl_full, abs=tol)
+    assert sig["uniform_memory"] == C.UNIFORM_MEMORY
+    ref = C.reference(m, *pairs[0], SET)
+    assert {C.uniform_run(m, ref, r, B, SET)[1].entries() for r in P.pool()} == {held}
     best = C.build(sig, B, settings=SET, cap=T).meta["best_uniform"]
     assert sig["uniform_dppl"][best] == min(sig["uniform_dppl"].values())
     for phase, pool in (("prefill", P.pool()), ("decode", P.decode_pool())):
@@ -284,20 +292,21 @@ def test_build_budgets_append_and_ablations():
     sig = fake_signals(L, "h2o", "streaming", entropy=[1.0, 2.0, 3.0, 4.0])
     sig["prefill"]["dppl"]["tova"] = [0.0, 0.0, 0.0, 9.0]     # ppl sensitivity: layer 3 worst
     sig["decode"]["dppl"]["h2o"] = [9.0, 0.0, 0.0, 0.0]       # decode: layer 0 worst
-    pol = C.build(sig, 100, sensitivity="entropy", cap=400, horizon=20)
+    pol = C.build(sig, 100, sensitivity="entropy", cap=400)
     assert [lp.prefill[1] for lp in pol.layers] == [100 - 75 + 30, 100 - 75 + 60, 100 - 75 + 90,
                                                     100 - 75 + 120]
     assert [lp.prefill[1] for lp in pol.layers] == [lp.decode[1] for lp in pol.layers]
     assert all(lp.decode[0] == "streaming" for lp in pol.layers)   # decode budget binds
-    pp = C.build(sig, 100, sensitivity="ppl", cap=400, horizon=20)
+    pp = C.build(sig, 100, sensitivity="ppl", cap=400)
     assert [lp.prefill[1] for lp in pp.layers] == [25, 25, 25, 325]
     assert [lp.decode[1] for lp in pp.layers] == [325, 25, 25, 25]
-    # layer 0's decode budget exceeds its prefill budget by >= horizon: it cannot bind -> append
-    assert [lp.decode[0] for lp in pp.layers] == ["append", "streaming", "streaming", "streaming"]
+    # every layer keeps its decode rule (layer 0's binds later), so the decode total is L·B
+    assert [lp.decode[0] for lp in pp.layers] == ["streaming"] * 4
+    assert sum(lp.decode[1] for lp in pp.layers) == 4 * 100
     po = C.pattern_only(pp)
     assert [(lp.prefill, lp.decode) for lp in po.layers] == [
-        (("h2o", 100), (d, 100)) for d in ("append",) + ("streaming",) * 3
-    ]
+        (("h2o", 100), ("streaming", 100))
+    ] * 4
     pf = C.prefill_only(pp)
     assert [(lp.prefill, lp.decode) for lp in pf.layers] == [
         (lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers
@@ -380,6 +389,11 @@ def test_a_cached_policy_is_refused_for_any_other_argument(tmp_path, change, nam
     file.write_text(json.dumps({**record, "format": "polykv-policy/0"}))
     with pytest.raises(UsageError, match="format='polykv-policy/0'"):
         C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
+    # a file whose uniform baselines ran at unequal memory (made before they appended)
+    signals = {k: v for k, v in record["signals"].items() if k != "uniform_memory"}
+    file.write_text(json.dumps({**record, "signals": signals}))
+    with pytest.raises(UsageError, match="uniform_memory=None"):
+        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
 
 
 def test_build_refuses_a_preference_the_decode_probes_did_not_run_under():
@@ -403,3 +417,23 @@ def test_cli_errors_are_one_line(capsys):
         with pytest.raises(UsageError) as e:
             C.main(argv)
         assert msg in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("sensitivity", ["entropy", "ppl"])
+def test_decode_total_held_at_L_B_over_a_long_generation(sensitivity):
+    """A calibrated policy generating 3·B tokens under the papers' protocol (no allowance):
+    after every token each layer holds at most its decode budget, so the cache holds at most
+    Σ_l b_{l,dec}·G = L·G·B entries however long the generation (no layer is left growing)."""
+    m = tiny(5, L=4)
+    L, G = m.config.n_layers, m.config.n_kv_heads
+    pol = C.calibrate(m, None, B, texts=texts(5), sensitivity=sensitivity, settings=SET)
+    assert sum(lp.decode.budget for lp in pol.layers) == L * B
+    assert all(lp.decode.rule in P.decode_pool() for lp in pol.layers)
+    tokens = torch.randint(1, 50, (1, T + 3 * B), generator=torch.Generator().manual_seed(5))
+    cache = P.prefill(m, tokens[:, :T], pol)
+    for i in range(T, T + 3 * B):
+        M.decode(m, tokens[:, i:i + 1], cache, pol.decoder)
+        assert cache.entries() <= L * G * B
+        for lc, lp in zip(cache.layers, pol.layers):
+            assert lc.size <= max(lp.decode.budget, lp.prefill.budget)
+    assert cache.entries() == L * G * B
