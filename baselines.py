@@ -78,14 +78,14 @@ def expected(x: P.ScoreInput):
     future q ~ N(μ', Σ') (`queries`), E[exp(q·k/√D)] = exp(μ'·k/√D + ½kᵀΣ'k/D); per query head
     a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖; sinks kept."""
     B, G, T = x.shape
-    n = x.settings.n_sink
+    n = x.n_sinks(x.settings.n_sink)     # the prompt's first n_sink tokens among these keys
     # (B, H, D), (B, H, D, D)
     mu, cov = x.stats["queries"]
     H, D = mu.shape[1:]
     k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
     logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
     sc = P.group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
-    return F.pad(sc, (n, 0)), P.sinks(T, n, x.k.device)
+    return F.pad(sc, (n, 0)), x.sinks(x.settings.n_sink)
 
 
 # ============================================================================= 3. KVzip
@@ -147,7 +147,7 @@ def kvzip(x: P.ScoreInput):
     This per-head form is PolyKV's pool rule; KVzip's own allocation is global (`ALLOCATIONS`)."""
     B, G, T = x.shape
     r = x.stats["recon"]
-    return r.view(B, G, r.shape[1] // G, T).amax(2), P.sinks(T, x.settings.n_sink, x.k.device)
+    return r.view(B, G, r.shape[1] // G, T).amax(2), x.sinks(x.settings.n_sink)
 
 
 # ========================================================================= 4. head-wise allocations
@@ -193,7 +193,7 @@ class Headwise(P.Method):
         dev = full.layers[0].k.device        # the selection runs where the scores are
         scores = []
         for l, lc in enumerate(full.layers):
-            sc, prot = P.score(self.rule, P.ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
+            sc, prot = P.score(self.rule, P.score_input(obs, full, l, self.settings))
             sc = sc[0].double().to(dev).masked_fill(prot.to(dev), float("inf"))     # (G, T)
             if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
                 n_safe = max(1, int(self.budget * self.alpha))

@@ -85,10 +85,7 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
         rule = method.layers[0].prefill.rule
         sc = []
         for l in range(L):
-            s, prot = P.score(
-                rule,
-                P.ScoreInput(obs.stats[l], full.layers[l].k, l, method.settings, full.layers[l].v),
-            )
+            s, prot = P.score(rule, P.score_input(obs, full, l, method.settings))
             sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
         # (L, G, T)
         t["scores"] = torch.stack(sc).float().cpu()

@@ -121,6 +121,9 @@ class Observation:
     extra: dict = field(default_factory=dict)   # name -> [value per layer] (Needs.extra)
     seconds: dict = field(default_factory=dict)  # name -> time of an extra pass (KVzip's `recon`)
     surprisal: Optional[torch.Tensor] = None     # (B, T) if Needs.surprisal
+    # the prompt position of the observed keys' first one: 0, or under the `context` protocol
+    # the context's start (support/protocols.cut), so that rules protect the prompt's own edges
+    first: int = 0
 
 
 class Method:
@@ -285,16 +288,51 @@ KVPRESS = RuleSettings(window=64, kernel=5, n_sink=4, pool="avg", tova_keep_last
 
 @dataclass
 class ScoreInput:
-    """What a scoring function may read about one layer after the prefill."""
+    """What a scoring function may read about one layer after the prefill.
+
+    The protections a rule keeps (attention sinks, the observation window) sit at the edges of
+    the *prompt*, not of the keys scored: `sinks(n)` are the keys among the prompt's first n
+    positions and `recent(w)` those among its last w. They are the first n and last w keys
+    when the whole prompt is scored; under the `context` protocol the keys are the context
+    alone (positions first..first+T−1 of a prompt ending at `end`), the real sinks sit in the
+    free prefix and the window in the free question, so neither protects a context token
+    (only the window's part that the question does not cover, if it is shorter than w)."""
     stats: dict           # the statistics the rule declared, each (B, H, T) per query head
     k: torch.Tensor       # (B, G, T, D) post-RoPE keys of the layer
     layer: int
     settings: RuleSettings
     v: Optional[torch.Tensor] = None   # (B, G, T, D) values of the layer
+    first: int = 0                     # the prompt position of key 0
+    end: Optional[int] = None          # one past the prompt's last position (None: first + T)
 
     @property
     def shape(self):      # (B, G, T)
         return self.k.shape[:3]
+
+    def positions(self) -> torch.Tensor:                 # (T,) the keys' prompt positions
+        return torch.arange(self.first, self.first + self.k.shape[2], device=self.k.device)
+
+    def prompt_end(self) -> int:
+        return self.first + self.k.shape[2] if self.end is None else self.end
+
+    def sinks(self, n: int) -> torch.Tensor:             # (T,) keys among the first n positions
+        return self.positions() < n
+
+    def recent(self, w: int) -> torch.Tensor:            # (T,) keys among the last w positions
+        return self.positions() >= self.prompt_end() - w
+
+    def n_sinks(self, n: int) -> int:                    # how many keys `sinks(n)` holds
+        return max(0, min(self.k.shape[2], n - self.first))
+
+    def n_before(self, w: int) -> int:                   # how many keys precede the last w
+        return max(0, min(self.k.shape[2], self.prompt_end() - w - self.first))
+
+
+def score_input(obs: "Observation", full: Cache, layer: int, settings: RuleSettings) -> ScoreInput:
+    """Layer `layer`'s ScoreInput from a FullKV cache (or the context protocol's cut of one) and
+    its observation."""
+    lc = full.layers[layer]
+    return ScoreInput(obs.stats[layer], lc.k, layer, settings, lc.v, obs.first, full.next_pos)
 
 
 @dataclass(frozen=True)
@@ -344,7 +382,7 @@ def streaming(x: ScoreInput):
     B, G, T = x.shape
     dev = x.k.device
     return (torch.arange(T, dtype=torch.float64, device=dev).expand(B, G, T),
-            sinks(T, x.settings.n_sink, dev))
+            x.sinks(x.settings.n_sink))
 
 
 @rule("h2o", needs={"colsum"}, decode="h2o")
@@ -352,7 +390,7 @@ def h2o(x: ScoreInput):
     """H2O (Zhang et al. 2023, `h2o_hf/utils_hh/modify_llama.py`; KVCache-Factory's one-shot
     form): s_j = Σ_{all i} A[h,i,j], group mean; the recent r = w tokens kept."""
     B, G, T = x.shape
-    return group_mean(x.stats["colsum"], G), recent(T, x.settings.window, x.k.device)
+    return group_mean(x.stats["colsum"], G), x.recent(x.settings.window)
 
 
 @rule("tova", needs={"last"}, decode="tova")
@@ -362,7 +400,7 @@ def tova(x: ScoreInput):
     B, G, T = x.shape
     sc = x.stats["last"].mean(1, keepdim=True).expand(B, G, T)
     if x.settings.tova_keep_last:        # kvpress: scores of keys < T−1, the last token kept
-        return sc, torch.arange(T, device=x.k.device) == T - 1
+        return sc, x.recent(1)
     return sc, none_protected(T, x.k.device)
 
 
@@ -370,15 +408,15 @@ def tova(x: ScoreInput):
 def snapkv(x: ScoreInput):
     """SnapKV (Li et al. 2024, `snapkv/monkeypatch/snapkv_utils.py`): s_j = Σ_{i in last w}
     A[h,i,j] for j < T−w, max-pooled over j (kernel k, stride 1, padding k//2), group mean;
-    the window itself is kept."""
+    the window itself is kept. (T−w: the keys before the prompt's last w, `n_before`.)"""
     B, G, T = x.shape
     s = x.settings
-    win = x.stats["window"][:, :, : max(T - s.window, 0)]                     # (B, H, T−w)
+    win = x.stats["window"][:, :, : x.n_before(s.window)]                     # (B, H, T−w)
     if win.shape[2]:
         pool = F.max_pool1d if s.pool == "max" else F.avg_pool1d              # avg: kvpress
         win = pool(win, s.kernel, stride=1, padding=s.kernel // 2)            # (B, H, T−w)
     sc = torch.cat((group_mean(win, G), win.new_zeros(B, G, T - win.shape[2])), 2)
-    return sc, recent(T, s.window, x.k.device)
+    return sc, x.recent(s.window)
 
 
 @rule("random", pool=False)
@@ -628,7 +666,7 @@ class Policy(Method):
                 idx = torch.arange(T, device=lc.k.device).expand(B, G, T)
                 kept = lc        # nothing evicted: share the tensors (appends never overwrite them)
             else:
-                sc, prot = score(rule, ScoreInput(obs.stats[l], lc.k, l, self.settings, lc.v))
+                sc, prot = score(rule, score_input(obs, full, l, self.settings))
                 idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)    # (B, G, b)
                 kept = lc.gather(idx)
             # a decode rule's running sums, kept entries

@@ -55,8 +55,12 @@ def cut(full, obs, needs, a: int, b: int):
     every per-key statistic (B, H, T) sliced, Expected Attention's query statistics (μ, Σ) whole,
     each extra statistic (polykv.Needs.extra) through its own `cut(value, a, b)`. So compression
     sees the question (its queries' attention to the context) but keeps and is charged for
-    context tokens only. Rules apply their positional protections (sinks, last window) to the
-    cut's own ends [choice: the method runs unchanged on the context, as a kvpress press does]."""
+    context tokens only. The observation records where the cut starts (`first` = a), so the
+    rules' positional protections stay at the prompt's own edges (polykv.ScoreInput): the
+    attention sinks are the prompt's first tokens, already kept free in the prefix, and the
+    observation window its last w, the question's; no context token is protected for being at
+    the cut's ends (a question shorter than w leaves the window's rest protected in the
+    context). Every method is still charged exactly the budget B per head on the context."""
     # model.Cache, model.LayerCache
     Cache, LayerCache = type(full), type(full.layers[0])
     T = full.layers[0].size
@@ -75,7 +79,7 @@ def cut(full, obs, needs, a: int, b: int):
         extra[name] = [st.cut(v, a, b) for v in obs.extra[name]]
     surprisal = None if obs.surprisal is None else obs.surprisal[:, a:b]
     return Cache(layers, full.next_pos, full.last_logits), type(obs)(
-        stats, extra, dict(obs.seconds), surprisal
+        stats, extra, dict(obs.seconds), surprisal, first=a
     )
 
 

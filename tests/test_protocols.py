@@ -70,6 +70,58 @@ def test_cut_sees_the_question_and_slices_every_key_statistic():
     assert part.next_pos == T and torch.equal(part.last_logits, full.last_logits)
 
 
+def naive_attention(m, x):
+    """Per layer the whole prompt's attention (1, H, T, T), written out (causal softmax)."""
+    qs = {}
+    M.prefill(m, x, M.Hooks(post_kernel=lambda l, q, qp, lc, o: qs.__setitem__(l, (q, lc.k))))
+    out = []
+    for l in sorted(qs):
+        q, k = qs[l]
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], 1)                  # (1, H, T, D)
+        lg = (q @ k.transpose(-1, -2)) / k.shape[-1] ** 0.5
+        n = lg.shape[-1]
+        lg = lg.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        out.append(torch.softmax(lg, -1))
+    return out
+
+
+@pytest.mark.parametrize("w", [4, 12])
+def test_context_protects_the_prompts_edges_not_the_contexts(w):
+    """Under `context` the rules' protections stay at the prompt's own edges: StreamingLLM's
+    sinks are the prompt's first tokens (in the free prefix), so it keeps the context's last B;
+    H2O and SnapKV score every context key (SnapKV: the window sums of the prompt's last w
+    queries, max-pooled over the context's keys) and protect only context keys among the
+    prompt's last w positions: none when the question (10 tokens) covers the window (w = 4),
+    the 2 last context keys when it does not (w = 12). Naive: the whole prompt's attention."""
+    m, x = tiny(), tokens()
+    L, G, budget, g = 2, 2, 12, 2
+    settings = P.RuleSettings(window=w, kernel=3, n_sink=2)
+    protected = [p for p in range(A, B_) if p >= T - w]
+    attn = naive_attention(m, x)
+    for rule in ("streaming", "h2o", "snapkv"):
+        pol = P.Policy.uniform(rule, budget, L, settings=settings)
+        needs = pol.needs(m)
+        full, obs = P.observe(m, x, needs)
+        comp = pol.compress(m, *PR.cut(full, obs, needs, A, B_))
+        for l in range(L):
+            a = attn[l][0]                                                    # (H, T, T)
+            for h in range(G):
+                if rule == "streaming":
+                    score = {p: float(p) for p in range(A, B_)}
+                elif rule == "h2o":
+                    score = {p: float(a[h * g:(h + 1) * g, :, p].sum(1).mean())
+                             for p in range(A, B_)}
+                else:
+                    win = {p: a[:, T - w:, p].sum(1) for p in range(A, B_) if p < T - w}
+                    pooled = {p: torch.stack([win[j] for j in (p - 1, p, p + 1) if j in win])
+                              .amax(0) for p in win}                          # (H,) each
+                    score = {p: float(pooled[p][h * g:(h + 1) * g].mean()) for p in pooled}
+                rest = sorted(score, key=lambda p: (-score[p], -p))
+                want = sorted(protected + [p for p in rest if p not in protected]
+                              [:budget - len(protected)])
+                assert comp.layers[l].pos[0, h].tolist() == want, (rule, l, h)
+
+
 @pytest.mark.parametrize("name", ["full", "snapkv", "tova", "h2o", "pyramidkv", "adakv", "gracekv"])
 def test_context_keeps_prefix_and_question_exact_and_free(name):
     """Under `context` every head holds the prefix and the question exactly (the FullKV entries)
