@@ -551,6 +551,17 @@ def budget_from_best(policy: Policy) -> Policy:
     return budget_only(policy, policy.meta.get("best_uniform", "snapkv"))
 
 
+def decode_with(policy: Policy, rule: str) -> Policy:
+    """The calibrated prefill phase and decode budgets, with one decode rule for every layer:
+    what the per-layer choice of decode rules adds over a single one, at the same memory."""
+    if rule not in polykv.decode_pool():
+        raise UsageError(f"unknown decode rule {rule!r}; choose from "
+                         f"{', '.join(polykv.decode_pool())}")
+    layers = [LayerPolicy(lp.prefill, (rule, lp.decode.budget)) for lp in policy.layers]
+    return Policy(layers, policy.budget, policy.settings,
+                  {**policy.meta, "ablation": f"decode_with:{rule}"})
+
+
 def as_calibrated(policy: Policy) -> Policy:
     """The calibrated policy itself (the row of the procedure, no ablation)."""
     return policy
@@ -562,6 +573,10 @@ VARIANTS = {"polykv": ("paper", as_calibrated),
             "polykv-pattern": ("paper", pattern_only),          # chosen rules, uniform budgets
             "polykv-budget": ("paper", budget_from_best),       # best uniform rule, chosen budgets
             "polykv-prefill": ("paper", prefill_only),          # no decode-time eviction
+            # one decode rule for every layer, the calibrated budgets (docs/polykv.md)
+            "polykv-decode-streaming": ("paper", functools.partial(decode_with, rule="streaming")),
+            "polykv-decode-h2o": ("paper", functools.partial(decode_with, rule="h2o")),
+            "polykv-decode-tova": ("paper", functools.partial(decode_with, rule="tova")),
             "polykv-joint": ("joint", as_calibrated),
             "polykv-joint-pattern": ("joint", pattern_only),
             "polykv-joint-budget": ("joint", budget_from_best),

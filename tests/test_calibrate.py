@@ -311,6 +311,12 @@ def test_build_budgets_append_and_ablations():
     assert [(lp.prefill, lp.decode) for lp in pf.layers] == [
         (lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers
     ]
+    dw = C.decode_with(pp, "tova")               # one decode rule, the same phases' budgets
+    assert [(lp.prefill, lp.decode) for lp in dw.layers] == [
+        (lp.prefill, ("tova", lp.decode[1])) for lp in pp.layers
+    ]
+    with pytest.raises(UsageError, match="unknown decode rule 'snapkv'"):
+        C.decode_with(pp, "snapkv")
     bo = C.budget_only(pp, "tova")
     assert [(lp.prefill, lp.decode) for lp in bo.layers] == [(("tova", 25), ("tova", 325)),
                                                              (("tova", 25), ("tova", 25)),
