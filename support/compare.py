@@ -129,6 +129,19 @@ def versus(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
             for d in against(rows, ref, names, budgets, ruler_tasks)]
 
 
+def before_after(rows: list, before: list, names, budgets, ruler_tasks) -> list:
+    """Each method minus itself in another run of the same prompts (`before`: its per-sample
+    rows, e.g. the code before a change), paired over the prompts both have: one line per
+    method, budget and headline metric, as `versus` prints them."""
+    lines = []
+    for m in names:
+        tagged = [dict(r, method=m + "@before") for r in before if r["method"] == m]
+        mine = [r for r in rows if r["method"] == m]
+        if tagged and mine:
+            lines += versus(mine + tagged, m + "@before", [m], budgets, ruler_tasks)
+    return lines
+
+
 def budget_label(b: int, length=None) -> str:
     """A budget, with its compression ratio when the prompt length is given: '64 (125×)'."""
     return f"{b}" + (f" ({length / b:.0f}×)" if length else "")

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 
-from support.compare import (LOWER_IS_BETTER, aligned, headline_metrics, interval, leaders,
-                             leaders_table, resample_index, scored_tasks, values, versus,
-                             versus_table)
+from support.compare import (LOWER_IS_BETTER, aligned, before_after, headline_metrics, interval,
+                             leaders, leaders_table, resample_index, scored_tasks, values,
+                             versus, versus_table)
 from support import cli
 from support.errors import UsageError
 from support.files import read_rows
@@ -277,11 +277,13 @@ def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
 
 def main(argv=None):
     """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--protocol P]
-    [--no-diff] [--versus METHOD] [--plot]`: the table of a finished run again, for a subset of its
+    [--no-diff] [--versus METHOD] [--before SUMMARY] [--plot]`: the table of a finished run again,
+    for a subset of its
     rows (one protocol: the run's first unless named); --versus
     reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD
     (lines, then a Markdown table),
     --leaders the leader of each measure and who ties it (lines, then a Markdown table);
+    --before each method minus itself in another run of the same prompts (paired lines);
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
     import json
@@ -306,6 +308,12 @@ def main(argv=None):
         "and every other minus it (paired intervals), from OUT/samples*.jsonl",
     )
     ap.add_argument(
+        "--before",
+        default=None,
+        help="another run's summary.json (the same prompts, e.g. the code before a change): each "
+        "method minus itself there, from both folders' samples*.jsonl",
+    )
+    ap.add_argument(
         "--plot",
         action="store_true",
         help="redraw budget_vs_score.png beside the summary (matplotlib): "
@@ -328,10 +336,10 @@ def main(argv=None):
             and protocol(r) == proto]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
-    if a.versus or a.leaders:
+    if a.versus or a.leaders or a.before:
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
-            flag = "--versus" if a.versus else "--leaders"
+            flag = "--versus" if a.versus else "--leaders" if a.leaders else "--before"
             raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} "
                              "(samples*.jsonl)")
         samples = [r for f in files for r in read_rows(f, repair=False) if protocol(r) == proto]
@@ -343,6 +351,14 @@ def main(argv=None):
                 "\n"
                 + versus_table(samples, a.versus, names, budgets, cfg["tasks"], ratio_length(cfg))
             )
+        if a.before:
+            older = sorted(Path(a.before).parent.glob("samples*.jsonl"))
+            if not older:
+                raise UsageError(f"--before needs the per-sample rows beside {a.before!r} "
+                                 "(samples*.jsonl)")
+            before = [r for f in older for r in read_rows(f, repair=False)
+                      if protocol(r) == proto]
+            print("\n" + "\n".join(before_after(samples, before, names, budgets, cfg["tasks"])))
         if a.leaders:
             print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
             print("\n" + leaders_table(samples, names, budgets, cfg["tasks"], ratio_length(cfg)))

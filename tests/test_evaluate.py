@@ -566,3 +566,28 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     assert table[3].startswith("| answer ΔNLL | 64 | +0.06 [+0.06, +0.06] | ")
     with pytest.raises(M.UsageError, match="no such method"):
         report.main([str(f), "--versus", "snapkv"])
+
+
+def test_before_is_each_method_minus_itself_in_another_run(tmp_path, capsys):
+    """Two runs of the same prompts, the second every method's KL plus 0.02: each method minus
+    itself before is +0.02 [+0.02, +0.02]; a method the other run lacks is left out."""
+    spread = lambda i: 0.1 + 0.05 * i
+    before = fake_rows({"gracekv": spread, "gracekv-unit": spread},
+                       {"gracekv": lambda i: 50, "gracekv-unit": lambda i: 50})
+    after = fake_rows({"gracekv": lambda i: spread(i) + 0.02, "gracekv-hbar": spread},
+                      {"gracekv": lambda i: 50, "gracekv-hbar": lambda i: 50})
+    lines = compare.before_after(after, before, ["gracekv", "gracekv-hbar"], [64],
+                                 ["niah_single_1"])
+    assert lines[0] == ("B = 64, fidelity KL minus gracekv@before, paired 95 % CI: "
+                        "gracekv +0.02 [+0.02, +0.02]")
+    assert not any("gracekv-hbar" in line for line in lines)
+    for name, rows in (("old", before), ("new", after)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "samples.jsonl").write_text("\n".join(json.dumps(r) for r in rows))
+        methods = sorted({r["method"] for r in rows})
+        (tmp_path / name / "summary.json").write_text(json.dumps(
+            {"config": {"methods": methods, "budgets": [64], "tasks": ["niah_single_1"]},
+             "rows": report.summarize(rows, methods, [64], E.baselines())}))
+    report.main([str(tmp_path / "new" / "summary.json"), "--before",
+                 str(tmp_path / "old" / "summary.json")])
+    assert lines[0] in capsys.readouterr().out
