@@ -79,6 +79,7 @@ import calibrate
 import gracekv
 import gracekv_variants
 import model as M
+import policy_cache
 import polykv as P
 from support import checkpoint, cli, metrics, report, run_folder
 from support import longbench as LB
@@ -122,7 +123,7 @@ def all_methods() -> tuple:
     """Every --methods name: the uniform methods, AdaKV over each other pool rule, PolyKV's rows
     and GraceKV's rows."""
     ada = tuple(f"adakv-{r}" for r in P.pool() if r != BL.ALLOCATIONS["adakv"][0])
-    return uniform_methods() + ada + tuple(calibrate.VARIANTS) + tuple(gracekv_variants.VARIANTS)
+    return uniform_methods() + ada + tuple(policy_cache.VARIANTS) + tuple(gracekv_variants.VARIANTS)
 
 
 def default_methods(suite: str = "default") -> tuple:
@@ -139,7 +140,7 @@ def family(name: str) -> str:
     """"polykv" or "gracekv" for those papers' rows (their variant tables), else "uniform"."""
     return (
         "polykv"
-        if name in calibrate.VARIANTS
+        if name in policy_cache.VARIANTS
         else "gracekv" if gracekv_variants.is_row(name) else "uniform"
     )
 
@@ -263,14 +264,14 @@ class Methods:
     def calibration(self, budget: int, procedure: str, T: int) -> P.Policy:
         """The policy of (procedure, budget) calibrated on T-token prompts: from --cache-dir, else
         (embedded model) the repository's policies/, else calibrated once into --cache-dir
-        (calibrate.policy_for); --recalibrate: calibrated whatever exists."""
+        (policy_cache.policy_for); --recalibrate: calibrated whatever exists."""
         args = self.args
         # the repository's policies: the embedded model's, calibrated in fp32
         embedded = args.model is None and self.model.dtype == torch.float32
-        shipped = calibrate.SHIPPED if embedded else None
-        path = calibrate.policy_path(args.model_name, budget, args.seed, args.cache_dir,
+        shipped = policy_cache.SHIPPED if embedded else None
+        path = policy_cache.policy_path(args.model_name, budget, args.seed, args.cache_dir,
                                      procedure, T)
-        kept = calibrate.policy_path(args.model_name, budget, args.seed, shipped, procedure, T) \
+        kept = policy_cache.policy_path(args.model_name, budget, args.seed, shipped, procedure, T) \
             if shipped is not None else None
         if args.recalibrate or not (path.exists() or (kept is not None and kept.exists())):
             where = (f"calibrating on {T}-token prompts into {path} (2 CPU cores: about 4-9 min "
@@ -281,7 +282,7 @@ class Methods:
 
         def log(line):
             print(f"polykv {procedure} calibration B={budget}: {line}", flush=True)
-        return calibrate.policy_for(self.model, self.tok, args.model_name, budget, args.seed,
+        return policy_cache.policy_for(self.model, self.tok, args.model_name, budget, args.seed,
                                     Path(args.cache_dir), log=log, procedure=procedure,
                                     shipped=shipped, recalibrate=args.recalibrate, prompt_len=T)
 
@@ -302,12 +303,12 @@ class Methods:
 
     def make(self, name, budget) -> P.Method:
         """The method; under --memory equal a policy's decode budgets grow by the allowance."""
-        if name not in calibrate.VARIANTS:
+        if name not in policy_cache.VARIANTS:
             pol = method(name, budget, self.L, self.settings, memo=self.memo)
             if not isinstance(pol, P.Policy):
                 return pol
         else:
-            procedure, transform = calibrate.VARIANTS[name]
+            procedure, transform = policy_cache.VARIANTS[name]
             pol = transform(self.calibrated(budget, procedure))
         return pol.with_allowance(self.args.allowance) if self.args.memory == "equal" else pol
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import calibrate as C
+import policy_cache as PC
 import model as M
 import polykv as P
 from model import UsageError
@@ -336,18 +337,18 @@ SAME = dict(settings=SET, prompt_len=T, cont_len=N)
 
 def test_policy_for_caches_and_checks_layers(tmp_path):
     m, tx = tiny(4), texts(4)
-    first = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
+    first = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == [f"polykv-tiny_x-B10-T{T}-seed7-{C.TEXT_VERSION}.json"]
     marked = P.Policy(first.layers, first.budget, first.settings, {**first.meta, "mark": 1})
     marked.save(files[0])                         # a later call loads the file, no recalibration
-    again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
+    again = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
     assert again.layers == first.layers and again.meta["mark"] == 1
     assert again.meta["signals"] == first.meta["signals"]
     with pytest.raises(UsageError, match=r"calibrated with sensitivity='entropy' \(asked 'ppl'\)"):
-        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, sensitivity="ppl", **SAME)
+        PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, sensitivity="ppl", **SAME)
     with pytest.raises(UsageError, match="has 3 layers, the model has 4") as e:
-        C.policy_for(tiny(4, L=4), None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
+        PC.policy_for(tiny(4, L=4), None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
     assert "\n" not in str(e.value)
 
 
@@ -356,16 +357,16 @@ def test_policy_for_reads_shipped_policies_and_recalibrates(tmp_path):
     setting other than the one asked is refused; recalibrate ignores both and writes the cache."""
     m, tx = tiny(4), texts(4)
     shipped, cache = tmp_path / "shipped", tmp_path / "cache"
-    made = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=shipped, texts=tx, **SAME)
+    made = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=shipped, texts=tx, **SAME)
     [file] = shipped.iterdir()
     marked = P.Policy(made.layers, made.budget, made.settings, {**made.meta, "mark": 1})
     marked.save(file)
-    got = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped, **SAME)
+    got = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped, **SAME)
     assert got.meta["mark"] == 1 and got.layers == made.layers and not cache.exists()
     with pytest.raises(UsageError, match=r"sensitivity='entropy' \(asked 'ppl'\)"):
-        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
+        PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
                      sensitivity="ppl", **SAME)
-    again = C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
+    again = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped,
                          recalibrate=True, texts=tx, **SAME)
     assert "mark" not in again.meta and again.layers == made.layers
     assert [f.name for f in cache.iterdir()] == [file.name]
@@ -386,20 +387,20 @@ def test_a_cached_policy_is_refused_for_any_other_argument(tmp_path, change, nam
     naming the difference, never silently reused (the procedure, model, budget, seed and prompt
     length are in the file's name, so another one is another file; they are compared too)."""
     m, tx = tiny(4), texts(4)
-    C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
+    PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
     with pytest.raises(UsageError) as e:
-        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **{**SAME, **change})
+        PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **{**SAME, **change})
     assert named in str(e.value) and "\n" not in str(e.value)
     file = next(tmp_path.iterdir())
     record = json.loads(file.read_text())
     file.write_text(json.dumps({**record, "format": "polykv-policy/0"}))
     with pytest.raises(UsageError, match="format='polykv-policy/0'"):
-        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
+        PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
     # a file whose uniform baselines ran at unequal memory (made before they appended)
     signals = {k: v for k, v in record["signals"].items() if k != "uniform_memory"}
     file.write_text(json.dumps({**record, "signals": signals}))
     with pytest.raises(UsageError, match="uniform_memory=None"):
-        C.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
+        PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
 
 
 def test_build_refuses_a_preference_the_decode_probes_did_not_run_under():

@@ -11,6 +11,7 @@ import pytest
 
 import bench
 import calibrate as C
+import calibrate_joint as J
 import evaluate as E
 import oracle
 import polykv as P
@@ -122,6 +123,11 @@ OTHERS = [   # (command, argv, the error line's start)
      "error: --n-prompts must be >= 1, got 0"),
     (C.main, ["--out", "{dir}"], "error: cannot write '{dir}': it is a folder"),
     (C.main, ["--budget", "x"], "error: argument --budget: invalid int value: 'x'"),
+    (J.main, ["--out", "{dir}"], "error: cannot write '{dir}': it is a folder"),
+    (J.main, ["--procedure", "paper"], "error: argument --procedure: invalid choice: 'paper'"),
+    (J.main, ["--budget", "64", "--prompt-len", "60"],
+     "error: calibration prompts (60 tokens) must be longer than the budget 64"),
+    (C.main, ["--needles", "1"], "error: unrecognized arguments: --needles 1"),
     (report.main, ["{summary}", "--budgets", "999"],
      "error: --budgets: the run has no 999; it has 64"),
     (report.main, ["{summary}", "--methods", "full,bogus"],

@@ -13,9 +13,11 @@ import torch
 
 import baselines as BL
 import calibrate as C
+import calibrate_joint as J
 import evaluate as E
 import gracekv as GK
 import model as M
+import policy_cache as PC
 import polykv as P
 from conftest import REPEAT, tiny
 import gracekv_variants as V
@@ -52,9 +54,9 @@ def hand_policy(L: int) -> P.Policy:
 
 def make(name: str, L: int) -> P.Method:
     """The method `name` of evaluate.all_methods() on the tiny model: PolyKV's rows are their
-    transform (calibrate.VARIANTS) of the hand-made policy, GraceKV's rows use small settings."""
-    if name in C.VARIANTS:
-        return C.VARIANTS[name][1](hand_policy(L))
+    transform (policy_cache.VARIANTS) of the hand-made policy, GraceKV's rows use small settings."""
+    if name in PC.VARIANTS:
+        return PC.VARIANTS[name][1](hand_policy(L))
     if V.is_row(name):
         settings, formulas = V.build({**GSET.__dict__, **V.overrides(name)})
         return GK.GraceKV(BUDGET, settings, formulas)
@@ -151,6 +153,6 @@ def test_calibration_makes_every_tensor_on_the_inputs_device(procedure):
     def signals():                       # the joint sweep's wall time left out
         if procedure == "paper":
             return C.measure(m, pairs, 10, "cosine", SET)
-        sig = C.measure_joint(m, pairs, 10, signal="cosine", settings=SET)
+        sig = J.measure_joint(m, pairs, 10, signal="cosine", settings=SET)
         return {k: v for k, v in sig.items() if k != "seconds"}
     assert_same(on_meta_default(signals), signals())
