@@ -27,7 +27,6 @@ import model as M
 import polykv as P
 from model import Cache
 from support.errors import UsageError
-from support.fast_observe import causal_probs
 
 
 # ============================================================================= 1. K-norm
@@ -97,7 +96,12 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
     Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt fed again after a fork of
     the FullKV cache (left as it was) behind a repeat instruction (later chunks: + the `overlap`
     tokens before) and the suffix. Per query u of that pass, A_rec[h,u,·] = softmax over the
-    sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec."""
+    sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec.
+
+    The pass computes each layer's attention itself (`scored_attention`, the model.Hooks kernel):
+    one product of its queries with every key gives both the attention the pass runs on
+    (softmax over all keys) and A_rec (softmax over the subset), so the scores cost no second
+    product. tests/test_baselines.py writes A_rec out from a plain forward."""
     if not repeat:
         raise UsageError(
             "kvzip needs the reconstruction prompt: "
@@ -116,20 +120,57 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
         lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
         ids = torch.cat((lead, suffix, tokens[:, a:b]), 1)                       # (B, n)
 
-        def spy(layer, q, q_pos, lc, o):
+        def kernel(layer, q, q_pos, lc):
             if layer not in out:
-                return
-            n = q.shape[2]                                  # keys: sinks, chunk, the pass's own
-            k = torch.cat((lc.k[:, :, :sink], lc.k[:, :, a:b], lc.k[:, :, -n:]), 2)
-            for c0 in range(0, n, 256):                     # query chunks: no (H, n, n) at once
-                c1 = min(n, c0 + 256)
-                p = causal_probs(q[:, :, c0:c1], k[:, :, :k.shape[2] - n + c1], sink + b - a + c0)
-                out[layer][..., a:b] = torch.maximum(
-                    out[layer][..., a:b], p[..., sink : sink + b - a].amax(2)
-                )
+                return None                                  # the model's own kernel
+            o, rec = scored_attention(q, lc, (sink, a, b))
+            out[layer][..., a:b] = torch.maximum(out[layer][..., a:b], rec)
+            return o
 
-        model.step(ids, full.fork(), M.Hooks(post_kernel=spy), last_only=True)
+        model.step(ids, full.fork(), M.Hooks(kernel=kernel), last_only=True)
     return out
+
+
+def scored_attention(q, lc, span: tuple, rows: int = 256) -> tuple:
+    """(attention output (B, H, n, D), A_rec max (B, H, b − a)) of the pass's n queries q over
+    lc: the T = S − n cached keys of the prompt (every one visible, bias as cached) and the
+    pass's own n keys (causal). Per block of `rows` queries and KV group: the logits once (one
+    2-D product, the keys never copied g times); softmax over all keys -> the output; the
+    log-sum-exp over the sinks [0, sink), the chunk [a, b) and the own keys up to the query ->
+    A_rec at the chunk's keys, max over the block's queries. span = (sink, a, b)."""
+    sink, a, b = span
+    B, H, n, D = q.shape
+    G, S = lc.k.shape[1], lc.k.shape[2]
+    T, g = S - n, H // G
+    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k, v, bias = lc.k.to(acc), lc.v.to(acc), lc.bias.to(acc)
+    out = q.new_empty(B, G, g, n, D, dtype=acc)                               # (B, G, g, n, D)
+    best = q.new_zeros(B, G, g, b - a, dtype=acc)                             # (B, G, g, b − a)
+    for c0 in range(0, n, rows):
+        c1 = min(n, c0 + rows)
+        c, S1 = c1 - c0, T + c1                       # the block's queries see keys < T + c1
+        future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)  # own keys j > i
+        for bi in range(B):
+            for gi in range(G):
+                qb = q[bi, gi * g:(gi + 1) * g, c0:c1].to(acc).reshape(g * c, D) / math.sqrt(D)
+                logits = torch.mm(qb, k[bi, gi, :S1].T) + bias[bi, gi, :S1]    # (g·c, S1)
+                logits = logits.view(g, c, S1)
+                logits[:, :, T + c0:].masked_fill_(future, float("-inf"))
+                # one exp serves both softmaxes: e = exp(logit − m), m the subset's max (finite:
+                # the subset holds the query's own key), or the max over all keys − 80 if that
+                # is higher, so that no e overflows (e^80 < the fp32 maximum e^88)
+                m = torch.maximum(logits[..., a:b].amax(-1), logits[..., T:].amax(-1))
+                if sink:
+                    m = torch.maximum(m, logits[..., :sink].amax(-1))
+                m = torch.maximum(m, logits.amax(-1) - 80)[..., None]             # (g, c, 1)
+                e = (logits - m).exp_()                                            # (g, c, S1)
+                z_sub = e[..., :sink].sum(-1) + e[..., a:b].sum(-1) + e[..., T:].sum(-1)
+                z_sub = z_sub.clamp_min(torch.finfo(acc).tiny)  # the subset 80 below: rec 0
+                att = e.view(g * c, S1).mm(v[bi, gi, :S1]).view(g, c, D)
+                out[bi, gi, :, c0:c1] = att / e.sum(-1, keepdim=True)
+                rec = (e[..., a:b] / z_sub[..., None]).amax(1)                     # (g, b − a)
+                best[bi, gi] = torch.maximum(best[bi, gi], rec)
+    return out.reshape(B, H, n, D).to(q.dtype), best.reshape(B, H, b - a)
 
 
 def kvzip_scores(model, full: Cache, tokens, needs: P.Needs, layers: list) -> dict:

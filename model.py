@@ -327,6 +327,11 @@ class Hooks:
                                          rule: its state is in lc, the newest queries in q).
     final(h)                             the final norm's output h (B, T, dim) of the new tokens,
                                          before lm_head (`surprisal`); observe only.
+    kernel(layer, q, q_pos, lc) -> out | None   computes the layer's attention itself, the same
+                                         `attention` (B, H, T, D) over lc (new tokens
+                                         included), or None to leave it to the built-in kernel:
+                                         a pass that needs statistics of the attention takes
+                                         them from the one product it computes (KVzip's).
     Observation (a prefill's statistics) uses post_kernel; eviction while decoding is a
     cache_update passed to `decode` / `greedy`, never stored in the cache.
     """
@@ -334,6 +339,7 @@ class Hooks:
     post_kernel: Optional[Callable] = None
     cache_update: Optional[Callable] = None
     final: Optional[Callable] = None
+    kernel: Optional[Callable] = None
 
 
 # ----------------------------------------------------------------------------- attention
@@ -453,6 +459,16 @@ def attention_ragged(q, lc: LayerCache, q_pos, G: int):
     return (torch.softmax(logits, dim=-1).nan_to_num(0.0).to(lc.v.dtype) @ lc.v).to(q.dtype)
 
 
+def layer_attention(q, lc: LayerCache, q_pos, G: int, sdpa: bool, facts=None):
+    """The attention (B, H, T, D) of queries q over a layer cache: `attention_ragged` for a
+    ragged layer, else `attention_sdpa` (sdpa) or the explicit `attention`."""
+    if lc.head is not None:
+        return attention_ragged(q, lc, q_pos, G)
+    if sdpa:
+        return attention_sdpa(q, lc.k, lc.v, lc.bias, q_pos, lc.pos, facts)
+    return attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos)
+
+
 def repeat_kv(x: torch.Tensor, H: int) -> torch.Tensor:
     """(B, G, ...) -> (B, H, ...): each KV head serves its g = H/G consecutive query heads."""
     B, G = x.shape[:2]
@@ -500,12 +516,9 @@ class Attention(nn.Module):
         if hooks and hooks.pre_kernel:
             hooks.pre_kernel(layer, q, k, v, pos)
         lc = lc.append(k, v, pos)                                             # S += T
-        if lc.head is not None:                                               # a ragged layer
-            out = attention_ragged(q, lc, pos, G)                             # (B, H, T, D)
-        elif sdpa:
-            out = attention_sdpa(q, lc.k, lc.v, lc.bias, pos, lc.pos, facts)  # (B, H, T, D)
-        else:
-            out = attention(q, lc.k, lc.v, lc.bias, pos, lc.pos)              # (B, H, T, D)
+        out = hooks.kernel(layer, q, pos, lc) if hooks and hooks.kernel else None
+        if out is None:
+            out = layer_attention(q, lc, pos, G, sdpa, facts)                 # (B, H, T, D)
         if hooks and hooks.post_kernel:
             hooks.post_kernel(layer, q, pos, lc, out)
         if hooks and hooks.cache_update:

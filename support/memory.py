@@ -166,16 +166,20 @@ def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs()) -> dict:
     """{term: bytes} KVzip's reconstruction pass adds to the observation (baselines.reconstruct):
     per chunk of the prompt a fork of the FullKV cache is fed n new tokens; where the buffer's
     room is short of n, every layer's cache is copied into a bigger one (LayerCache.append), all
-    held until the step ends; then the largest of the step's block working set, its mask
-    (n, T + n) in a with two bool masks, and the spy's probabilities (H, rows, ≤ 2n) × 3
-    with the keys it concatenates; the scores it keeps (L, H, T)."""
+    held until the step ends; then the largest of the step's block working set and its
+    attention kernel (baselines.scored_attention): per block of rows queries and KV group the
+    logits and their exponentials (g, rows, T + n) in a, the output (H, n, D) in a, and the
+    keys, values and bias in a where the model's dtype is another; the scores it keeps
+    (L, H, T). (A layer the pass does not score runs the model's kernel, whose mask
+    (n, T + n) is counted too.)"""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     n = k.repeat[0] + k.repeat[2] + min(k.recon_chunk, T)
     copy = kv(s, room(T + n)) if n > room(T) - T else 0
     mask = n * (T + n) * (a + 2 + (b if b != a else 0))
-    spy = 3 * H * min(k.recon_rows, n) * (2 * n) * a + G * 2 * n * D * b
+    widened = (2 * D + 1) * G * (T + n) * a if b != a else 0
+    kernel = 2 * (H // G) * min(k.recon_rows, n) * (T + n) * a + H * n * D * a + widened
     return {"scores": L * H * T * a, "copied cache": copy, "stream": stream(s, n),
-            "working set": max(layer_pass(s, n), mask, spy)}
+            "working set": max(layer_pass(s, n), mask, kernel)}
 
 
 def compression(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = True) -> dict:

@@ -199,3 +199,30 @@ def test_headwise_budget_at_least_T_is_fullkv(name):
     cache = BL.Headwise(rule, 12, scope, alpha, SET).prefill(m, x)
     full = M.prefill(m, x)
     assert all(torch.equal(a.k, b.k) and a.head is None for a, b in zip(cache.layers, full.layers))
+
+
+@pytest.mark.parametrize("rows", [256, 3])
+def test_scored_attention_is_the_attention_and_the_subset_softmax(rows):
+    """KVzip's pass kernel on a cache of T prompt keys + the pass's n own keys: its output is
+    model.attention's (every prompt key visible, own keys causal), and its A_rec is the softmax
+    over the sinks, the chunk and the own keys up to each query, read at the chunk, max over
+    the queries: in one block and in blocks of a few queries."""
+    g = torch.Generator().manual_seed(3)
+    B, H, G, D, T, n = 1, 4, 2, 8, 20, 7
+    sink, a, b = 2, 9, 15
+    k, v = (torch.randn(B, G, T + n, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q = 3 * torch.randn(B, H, n, D, generator=g, dtype=torch.float64)
+    pos = torch.arange(T + n).expand(B, G, T + n)
+    lc = M.LayerCache(k, v, pos, torch.zeros(B, G, T + n, dtype=torch.float64))
+    q_pos = torch.arange(T, T + n)[None]
+    out, rec = BL.scored_attention(q, lc, (sink, a, b), rows)
+    torch.testing.assert_close(out, M.attention(q, k, v, lc.bias, q_pos, pos), rtol=1e-12,
+                               atol=1e-14)
+    for h in range(H):
+        for j in range(a, b):
+            best = 0.0
+            for u in range(n):
+                cols = list(range(sink)) + list(range(a, b)) + list(range(T, T + u + 1))
+                logit = torch.stack([q[0, h, u] @ k[0, h // (H // G), c] for c in cols])
+                best = max(best, float(torch.softmax(logit / math.sqrt(D), 0)[cols.index(j)]))
+            assert float(rec[0, h, j - a]) == pytest.approx(best, rel=1e-12)

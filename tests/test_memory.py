@@ -5,6 +5,7 @@ per-prompt units, byte for byte. The short-lived working sets are checked agains
 peaks on the embedded model instead (docs/memory.md)."""
 import torch
 
+import baselines  # noqa: F401  (registers the queries and recon statistics)
 import gracekv as GK
 import model as M
 import polykv as P
