@@ -41,9 +41,9 @@ b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, lar
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
-  snapkv, knorm, expected, kvzip, and any rule registered later), all probed at the same budget B.
-  Not
-  pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the allocation side.
+  snapkv, knorm, expected, kvzip, and any rule registered later), all probed at the same budget
+  B. Not pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the
+  allocation side.
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
   chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
   tova} at decode budget B, so d evicts once per token (n evictions). `append` is not a rule at
