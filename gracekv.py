@@ -266,9 +266,12 @@ def slot_bends(model, full: Cache, Tc: int, s: Settings, acc, surprisal=None) ->
             (F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1
         ).transpose(0, 1)
         ks += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
-    k, z = torch.stack(ks), lambda x: robust_z(x) if Tc > 1 else x    # k (layers·widths, Tc)
+    k = torch.stack(ks)                                                  # (layers·widths, Tc)
     kappa = k.mean(0) - s.lambda_stab * (k.std(0, unbiased=False) if len(ks) > 1 else 0)
-    return z(kappa) + (s.lambda_s * z(surprisal[0, :Tc].to(acc)) if s.lambda_s else 0)
+    if Tc == 1:                                          # one context token: nothing to z-score
+        return kappa + (s.lambda_s * surprisal[0, :Tc].to(acc) if s.lambda_s else 0)
+    return robust_z(kappa) + (s.lambda_s * robust_z(surprisal[0, :Tc].to(acc)) if s.lambda_s
+                              else 0)
 
 
 def n_slots(Tc: int, s: Settings) -> int:
