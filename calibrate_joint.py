@@ -13,8 +13,9 @@ with the rest of the network already compressed:
     `sweeps` times (coordinate descent on the calibration objective).
  3. Budgets (optional signal, kept only if it helps on the calibration text): s_l = the KL
     increase when layer l's budget is halved under the current policy; budgets
-    b = (1 − α)·B + α·allocate(s, L·B, B/4, T) for α ∈ {½, 1} (calibrate.allocate: water-filled,
-    largest-remainder rounded, Σ b = L·B); the α (or uniform) with the lowest end-to-end KL wins.
+    b = (1 − α)·B + α·allocate(s, L·B, B/4, T) for α ∈ {½, 1}
+    (calibrate.allocate: water-filled, largest-remainder rounded, Σ b = L·B); the α (or
+    uniform) with the lowest end-to-end KL wins.
 
 Score (`signal`):
   "cosine": layer l's attention output vs FullKV's, mean cosine over continuation tokens, under
