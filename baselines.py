@@ -35,8 +35,8 @@ from support.errors import UsageError
 def knorm(x: P.ScoreInput):
     """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
     Compression"; kvpress `KnormPress`): keys with a *low* L2 norm draw more attention, so
-    s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the norm
-    of the post-RoPE key is the norm of the key."""
+    s_j = −‖k_j‖ per KV head; no protected tokens (as kvpress). RoPE is a rotation, so the
+    norm of the post-RoPE key is the norm of the key."""
     B, G, T = x.shape
     return -x.k.double().norm(dim=-1), P.none_protected(T, x.k.device)
 
@@ -44,22 +44,25 @@ def knorm(x: P.ScoreInput):
 # ============================================================================ 2. Expected Attention
 
 def query_stats(q, q_pos, inv_freq, n_sink: int, future: int):
-    """Expected Attention's query statistics (kvpress `ExpectedAttentionPress.get_query_statistics`
-    and `apply_avg_rope`): the queries q (B, H, T, D) un-rotated to pre-RoPE (RoPE⁻¹ at their
-    positions), those at positions >= n_sink kept; μ = mean, Σ = Σ_i (q_i − μ)(q_i − μ)ᵀ / n;
-    then R̄ = mean_{p = T..T+future−1} R_p, the RoPE matrix averaged over the next positions,
-    gives μ' = R̄μ, Σ' = R̄ΣR̄ᵀ. Returns (μ' (B, H, D), Σ' (B, H, D, D)) in fp32 (fp64)."""
+    """Expected Attention's query statistics (kvpress
+    `ExpectedAttentionPress.get_query_statistics` and `apply_avg_rope`): the queries
+    q (B, H, T, D) un-rotated to pre-RoPE (RoPE⁻¹ at their positions), those at positions
+    >= n_sink kept; μ = mean, Σ = Σ_i (q_i − μ)(q_i − μ)ᵀ / n; then
+    R̄ = mean_{p = T..T+future−1} R_p, the RoPE matrix averaged over the next positions,
+    gives μ' = R̄μ, Σ' = R̄ΣR̄ᵀ. Returns (μ' (B, H, D), Σ' (B, H, D, D)) in fp32
+    (fp64)."""
     B, H, T, D = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qp = M.apply_rope(q.to(acc), -q_pos[:, None, :], inv_freq)[:, :, n_sink:]    # (B, H, n, D)
-    mu = qp.mean(2)                                                            # (B, H, D)
-    c = qp - mu[:, :, None]
-    cov = c.transpose(-1, -2) @ c / qp.shape[2]                               # (B, H, D, D)
-    eye = torch.eye(D, dtype=acc, device=q.device)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    # (B, H, n, D) pre-RoPE
+    q_unrotated = M.apply_rope(q.to(dtype), -q_pos[:, None, :], inv_freq)[:, :, n_sink:]
+    mu = q_unrotated.mean(2)                                                   # (B, H, D)
+    centred = q_unrotated - mu[:, :, None]
+    cov = centred.transpose(-1, -2) @ centred / q_unrotated.shape[2]          # (B, H, D, D)
+    eye = torch.eye(D, dtype=dtype, device=q.device)
     ahead = torch.arange(T, T + future, device=q.device)[:, None]             # (future, 1)
     # (D, D) = R̄ᵀ (rows e_i -> R̄ e_i)
-    Rt = M.apply_rope(eye.expand(future, D, D), ahead, inv_freq).mean(0)
-    return mu @ Rt, Rt.T @ cov @ Rt
+    R_bar_T = M.apply_rope(eye.expand(future, D, D), ahead, inv_freq).mean(0)
+    return mu @ R_bar_T, R_bar_T.T @ cov @ R_bar_T
 
 
 def expected_queries(q, q_pos, model, needs: P.Needs):
@@ -74,8 +77,9 @@ P.statistic("queries", per_layer=expected_queries)
 def expected(x: P.ScoreInput):
     """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by
     Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`):
-    future q ~ N(μ', Σ') (`queries`), E[exp(q·k/√D)] = exp(μ'·k/√D + ½kᵀΣ'k/D); per query head
-    a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖; sinks kept."""
+    future q ~ N(μ', Σ') (`queries`), E[exp(q·k/√D)] = exp(μ'·k/√D + ½kᵀΣ'k/D); per
+    query head a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖;
+    sinks kept."""
     B, G, T = x.shape
     n = x.n_sinks(x.settings.n_sink)     # the prompt's first n_sink tokens among these keys
     # (B, H, D), (B, H, D, D)
@@ -83,8 +87,8 @@ def expected(x: P.ScoreInput):
     H, D = mu.shape[1:]
     k = x.k[:, :, n:].to(mu.dtype).repeat_interleave(H // G, 1)               # (B, H, T−n, D)
     logit = (k @ mu[..., None])[..., 0] / math.sqrt(D) + ((k @ cov) * k).sum(-1) / (2 * D)
-    sc = P.group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
-    return F.pad(sc, (n, 0)), x.sinks(x.settings.n_sink)
+    score = P.group_mean(torch.softmax(logit, -1), G) * x.v[:, :, n:].to(mu.dtype).norm(dim=-1)
+    return F.pad(score, (n, 0)), x.sinks(x.settings.n_sink)
 
 
 # ============================================================================= 3. KVzip
@@ -111,9 +115,10 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
     first, later, suffix = (
         torch.tensor([r], dtype=torch.long, device=tokens.device).expand(B, -1) for r in repeat
     )
-    acc = torch.float64 if model.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if model.dtype == torch.float64 else torch.float32
     out = {
-        l: torch.zeros(B, model.config.n_heads, T, dtype=acc, device=tokens.device) for l in layers
+        l: torch.zeros(B, model.config.n_heads, T, dtype=dtype, device=tokens.device)
+        for l in layers
     }
     for a in range(0, T, chunk):
         b, sink = min(T, a + chunk), min(n_sink, a)
@@ -142,34 +147,36 @@ def scored_attention(q, lc, span: tuple, rows: int = 256) -> tuple:
     B, H, n, D = q.shape
     G, S = lc.k.shape[1], lc.k.shape[2]
     T, g = S - n, H // G
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    k, v, bias = lc.k.to(acc), lc.v.to(acc), lc.bias.to(acc)
-    out = q.new_empty(B, G, g, n, D, dtype=acc)                               # (B, G, g, n, D)
-    best = q.new_zeros(B, G, g, b - a, dtype=acc)                             # (B, G, g, b − a)
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k, v, bias = lc.k.to(dtype), lc.v.to(dtype), lc.bias.to(dtype)
+    out = q.new_empty(B, G, g, n, D, dtype=dtype)                             # (B, G, g, n, D)
+    best = q.new_zeros(B, G, g, b - a, dtype=dtype)                           # (B, G, g, b − a)
     for c0 in range(0, n, rows):
         c1 = min(n, c0 + rows)
-        c, S1 = c1 - c0, T + c1                       # the block's queries see keys < T + c1
+        c, S_seen = c1 - c0, T + c1                   # the block's queries see keys < T + c1
         future = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)  # own keys j > i
-        for bi in range(B):
-            for gi in range(G):
-                qb = q[bi, gi * g:(gi + 1) * g, c0:c1].to(acc).reshape(g * c, D) / math.sqrt(D)
-                logits = torch.mm(qb, k[bi, gi, :S1].T) + bias[bi, gi, :S1]    # (g·c, S1)
-                logits = logits.view(g, c, S1)
+        for batch in range(B):
+            for group in range(G):
+                q_block = q[batch, group * g:(group + 1) * g, c0:c1].to(dtype)
+                q_block = q_block.reshape(g * c, D) / math.sqrt(D)            # (g·c, D)
+                # (g·c, S_seen)
+                logits = torch.mm(q_block, k[batch, group, :S_seen].T) + bias[batch, group, :S_seen]
+                logits = logits.view(g, c, S_seen)
                 logits[:, :, T + c0:].masked_fill_(future, float("-inf"))
-                # one exp serves both softmaxes: e = exp(logit − m), m the subset's max (finite:
-                # the subset holds the query's own key), or the max over all keys − 80 if that
-                # is higher, so that no e overflows (e^80 < the fp32 maximum e^88)
-                m = torch.maximum(logits[..., a:b].amax(-1), logits[..., T:].amax(-1))
+                # one exp serves both softmaxes: e = exp(logit − shift), shift the subset's max
+                # (finite: the subset holds the query's own key), or the max over all keys − 80
+                # if that is higher, so that no e overflows (e^80 < the fp32 maximum e^88)
+                shift = torch.maximum(logits[..., a:b].amax(-1), logits[..., T:].amax(-1))
                 if sink:
-                    m = torch.maximum(m, logits[..., :sink].amax(-1))
-                m = torch.maximum(m, logits.amax(-1) - 80)[..., None]             # (g, c, 1)
-                e = (logits - m).exp_()                                            # (g, c, S1)
+                    shift = torch.maximum(shift, logits[..., :sink].amax(-1))
+                shift = torch.maximum(shift, logits.amax(-1) - 80)[..., None]     # (g, c, 1)
+                e = (logits - shift).exp_()                                        # (g, c, S_seen)
                 z_sub = e[..., :sink].sum(-1) + e[..., a:b].sum(-1) + e[..., T:].sum(-1)
-                z_sub = z_sub.clamp_min(torch.finfo(acc).tiny)  # the subset 80 below: rec 0
-                att = e.view(g * c, S1).mm(v[bi, gi, :S1]).view(g, c, D)
-                out[bi, gi, :, c0:c1] = att / e.sum(-1, keepdim=True)
+                z_sub = z_sub.clamp_min(torch.finfo(dtype).tiny)  # the subset 80 below: rec 0
+                att = e.view(g * c, S_seen).mm(v[batch, group, :S_seen]).view(g, c, D)
+                out[batch, group, :, c0:c1] = att / e.sum(-1, keepdim=True)
                 rec = (e[..., a:b] / z_sub[..., None]).amax(1)                     # (g, b − a)
-                best[bi, gi] = torch.maximum(best[bi, gi], rec)
+                best[batch, group] = torch.maximum(best[batch, group], rec)
     return out.reshape(B, H, n, D).to(q.dtype), best.reshape(B, H, b - a)
 
 
@@ -187,8 +194,8 @@ def kvzip(x: P.ScoreInput):
     most attention j receives while the model repeats the prompt; sinks kept; query-agnostic.
     This per-head form is PolyKV's pool rule; KVzip's own allocation is global (`ALLOCATIONS`)."""
     B, G, T = x.shape
-    r = x.stats["recon"]
-    return r.view(B, G, r.shape[1] // G, T).amax(2), x.sinks(x.settings.n_sink)
+    recon = x.stats["recon"]
+    return recon.view(B, G, recon.shape[1] // G, T).amax(2), x.sinks(x.settings.n_sink)
 
 
 # ========================================================================= 4. head-wise allocations
@@ -213,9 +220,10 @@ class Headwise(P.Method):
     head holds exactly its entries, so allocated slots = entries). scope "layer" (AdaKV: Feng et
     al. 2024, "Ada-KV: Optimizing KV Cache Eviction by Adaptive Budget Allocation"; kvpress
     `AdaKVPress`): a layer keeps its G·B best (head, entry) pairs, each head first guaranteed its
-    top n_safe = max(1, ⌊α·B⌋) (kvpress `alpha_safeguard` = 0.2). scope "model" (KVzip, kvpress
-    `layerwise=False`): the L·G·B best pairs of all layers and heads, no safeguard. Protected
-    entries first; ties to the later (layer, head, position). Decoding appends (as kvpress)."""
+    top n_safe = max(1, ⌊α·B⌋) (kvpress `alpha_safeguard` = 0.2). scope "model" (KVzip,
+    kvpress `layerwise=False`): the L·G·B best pairs of all layers and heads, no safeguard.
+    Protected entries first; ties to the later (layer, head, position). Decoding appends (as
+    kvpress)."""
     rule: str
     budget: int
     scope: str = "layer"
@@ -234,20 +242,21 @@ class Headwise(P.Method):
         dev = full.layers[0].k.device        # the selection runs where the scores are
         scores = []
         for l, lc in enumerate(full.layers):
-            sc, prot = P.score(self.rule, P.score_input(obs, full, l, self.settings))
-            sc = sc[0].double().to(dev).masked_fill(prot.to(dev), float("inf"))     # (G, T)
+            score, protected = P.score(self.rule, P.score_input(obs, full, l, self.settings))
+            score = score[0].double().to(dev).masked_fill(protected.to(dev), float("inf"))  # (G, T)
             if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
                 n_safe = max(1, int(self.budget * self.alpha))
                 # (G, n_safe)
-                top = P.select(sc[None], n_safe, P.none_protected(T, dev))[0]
-                sc = sc.scatter(1, top, float("inf"))
-            scores.append(sc)
+                top = P.select(score[None], n_safe, P.none_protected(T, dev))[0]
+                score = score.scatter(1, top, float("inf"))
+            scores.append(score)
         # the best pairs of each group: (L', G, T) bool
         kept = []
-        for sc in ([torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]):
-            none = P.none_protected(sc.numel(), dev)
-            idx = P.select(sc.reshape(1, 1, -1), sc.shape[0] * G * self.budget, none)
-            kept.append(none.index_fill(0, idx[0, 0], True).view(sc.shape))
+        groups = [torch.stack(scores)] if self.scope == "model" else [s[None] for s in scores]
+        for group in groups:
+            none = P.none_protected(group.numel(), dev)
+            idx = P.select(group.reshape(1, 1, -1), group.shape[0] * G * self.budget, none)
+            kept.append(none.index_fill(0, idx[0, 0], True).view(group.shape))
         kept = torch.cat(kept)                                                         # (L, G, T)
         # every head's kept positions from one nonzero and one read of the counts (two host
         # synchronisations in all, not one per (layer, head))

@@ -167,8 +167,9 @@ def main(argv=None):
     budgets = args.budget
     m, tok = M.load(args.model)
     L = m.config.n_layers
+    model_name = M.default_model_dir().name if args.model is None else args.model
     print(
-        f"model {M.default_model_dir().name if args.model is None else args.model} · {L} layers · "
+        f"model {model_name} · {L} layers · "
         f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}"
     )
     settings = calibrate.with_prompt(P.RuleSettings(), tok)

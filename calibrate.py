@@ -3,8 +3,9 @@
 Implements the calibration of Fei & Kalnis, "PolyKV: Heterogeneous Retention and Allocation for
 KV Cache Compression" (arXiv 2606.15157, 2026; the paper's eviction-preference and
 budget-sensitivity signals). A policy Π gives every layer l and
-phase φ ∈ {prefill, decode} an eviction pattern r_{l,φ} and a budget b_{l,φ}, Σ_l b_{l,φ} = L·B.
-It is built once from layer-specific signals, then only executed (polykv.Policy).
+phase φ ∈ {prefill, decode} an eviction pattern r_{l,φ} and a budget b_{l,φ},
+Σ_l b_{l,φ} = L·B. It is built once from layer-specific signals, then only executed
+(polykv.Policy).
 
 Read top to bottom: the calibration set, the signals (one FullKV reference pass, then one probe
 per layer and rule), the construction (pattern choice, budget allocation), the procedure, the
@@ -21,23 +22,27 @@ D head dim, L layers, s_l a layer's budget-sensitivity signal.
 Probe (l, r): compress *only* layer l with rule r at budget B, every other layer FullKV, reusing
 the prompt's one FullKV prefill (polykv.observe + Policy.compress), then teacher-force the
 continuation. Signals, averaged over the calibration prompts:
-  eviction preference   cos_{l,φ}(r)  = mean_i cos(o_i^probe, o_i^full), o_i = layer l's attention
-                                        output (H·D) at continuation token i   (higher = better)
-                        ΔPPL_{l,φ}(r) = PPL_probe − PPL_full of the continuation (lower = better)
-  budget sensitivity    entropy_l     = mean_{h,i} −Σ_j A[h,i,j] log A[h,i,j], continuation queries
-                                        under FullKV (diffuse attention needs more budget)
+  eviction preference   cos_{l,φ}(r)  = mean_i cos(o_i^probe, o_i^full), o_i = layer l's
+                                        attention output (H·D) at continuation token i
+                                        (higher = better)
+                        ΔPPL_{l,φ}(r) = PPL_probe − PPL_full of the continuation
+                                        (lower = better)
+  budget sensitivity    entropy_l     = mean_{h,i} −Σ_j A[h,i,j] log A[h,i,j], continuation
+                                        queries under FullKV (diffuse attention needs more
+                                        budget)
                         ppl_{l,φ}     = max(0, max_r ΔPPL_{l,φ}(r)) (worst case over the pool)
 Construction: r_{l,φ} = the pool rule with the best preference (ties: earlier in the pool);
-b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, largest-remainder rounded.
+b_{l,φ} = b_min + (L·B − L·b_min)·s_l/Σs, water-filled under b ≤ T, largest-remainder
+rounded.
 
 [choices] (the paper leaves them open; docs/polykv.md has the measurements behind them):
 - Calibration set: `tasks.calibration_texts`, passages of the *dev* split of Python's
   `pydoc_data.topics` (odd positions of the sorted topic keys, minus every paragraph that also
   occurs at an even position); the test split uses the even ones, so none is scored later.
   Defaults: 2 passages of T = 2,048 tokens (`PROMPT_LEN`; at 8K the paper's procedure needs 8K
-  prompts, docs/results-8k.md) + n = 64 held-out tokens; the seed picks the offset. Cost: 2 prefills
-  + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool) + |pool|·2 uniform runs (4x at
-  8K).
+  prompts, docs/results-8k.md) + n = 64 held-out tokens; the seed picks the offset. Cost: 2
+  prefills + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool) + |pool|·2
+  uniform runs (4x at 8K).
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
@@ -149,8 +154,8 @@ def cosine(out, out_ref) -> float:
 
 
 def _nll(model, x, cont) -> float:
-    """Σ −log p(cont_{i+1} | ≤ i) from the last hidden states x (B, n, dim); cont_0 is predicted
-    by the prompt's last logits, the same for every probe, so it is left out."""
+    """Σ −log p(cont_{i+1} | ≤ i) from the last hidden states x (B, n, dim); cont_0 is
+    predicted by the prompt's last logits, the same for every probe, so it is left out."""
     logits = model.lm_head(model.norm(x)).float()                             # (B, n, V)
     return float(F.cross_entropy(logits[0, :-1], cont[0, 1:], reduction="sum"))
 
@@ -208,7 +213,7 @@ def probe(model, ref: dict, layer: int, policy: Policy):
     ys = []
     for s in steps:
         y, lc = model.layers[layer](
-            x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.sdpa
+            x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.fast
         )
         ys.append(y)
     # FullKV above (1, n, dim)
@@ -223,13 +228,12 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
     L, dev = model.config.n_layers, model.device
     log = log or quiet
     refs = []
-    for i, (p, c) in enumerate(pairs):
+    for i, (prompt, cont) in enumerate(pairs):
         t0 = time.time()
-        refs.append(
-            reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings)
-        )
+        prompt_ids, cont_ids = torch.tensor([prompt], device=dev), torch.tensor([cont], device=dev)
+        refs.append(reference(model, prompt_ids, cont_ids, settings))
         log(
-            f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(p)} + {len(c)} tokens "
+            f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(prompt)} + {len(cont)} tokens "
             f"({time.time() - t0:.0f} s)"
         )
     count = sum(len(c) - 1 for _, c in pairs)
@@ -254,12 +258,12 @@ def measure(model, pairs, budget: int, preference: str = "cosine",
                 pre, dec = (r, budget), ("append", budget)
                 if phase == "decode":
                     pre, dec = (prefill_of[l], budget), (r, budget)
-                res = [
+                results = [
                     probe(model, ref, l, probe_policy(L, l, pre, dec, budget, settings))
                     for ref in refs
                 ]
-                cosine[r].append(sum(c for c, _ in res) / len(res))
-                dppl[r].append(ppl(sum(nl for _, nl in res)) - ppl_full)
+                cosine[r].append(sum(cos for cos, _ in results) / len(results))
+                dppl[r].append(ppl(sum(nll for _, nll in results)) - ppl_full)
         log(
             f"{phase} probes: {L} layers x {len(rules)} rules x {len(refs)} prompts "
             f"({time.time() - t0:.0f} s)"
@@ -291,8 +295,9 @@ def uniform_run(model, ref: dict, rule: str, budget: int, settings: RuleSettings
     `budget`, then the continuation teacher-forced with every rule *appending* (no decode-time
     eviction), so each holds L·G·(B + n) entries at the end whatever its own decode form: the
     rules compete at equal memory, as in the harness (docs/protocol.md)."""
-    uni = Policy.uniform(rule, budget, model.config.n_layers, decode="append", settings=settings)
-    cache = uni.compress(model, ref["full"], ref["obs"])
+    uniform = Policy.uniform(rule, budget, model.config.n_layers, decode="append",
+                             settings=settings)
+    cache = uniform.compress(model, ref["full"], ref["obs"])
     logits = M.decode(model, ref["cont"], cache)                          # (1, n, V)
     nll = float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
     return nll, cache

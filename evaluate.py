@@ -165,7 +165,7 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None,
         return P.Policy.uniform(name, budget, n_layers, decode, s)
     raise UsageError(f"unknown method {name!r}; choose from {', '.join(all_methods())}")
 # the default suite on the embedded CPU model: RULER tasks the 4-bit 135M model solves with the
-# full cache at the default length (docs/results.md, "Earlier analyses": FullKV's scores)
+# full cache at the default length (docs/results.md, "The default suite": FullKV's scores)
 DEFAULT_RULER = ("niah_single_1",)
 
 
@@ -189,7 +189,7 @@ class Item:
 def compare(ref_lp, lp, target) -> tuple:
     """KL(FullKV ‖ method), ΔNLL and top-1 agreement (%) over the n teacher-forced positions."""
     tgt = target[0].to(lp.device)
-    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).mean()          # Σ p (log p − log q)
+    kl = (ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).mean()    # Σ p (log p − log q)
     nll = -lp.gather(1, tgt[:, None]).mean()
     ref_nll = -ref_lp.gather(1, tgt[:, None]).mean()
     top1 = (lp.argmax(-1) == ref_lp.argmax(-1)).float().mean()
@@ -212,7 +212,8 @@ class Row:
     # the method's compression after the shared prefill (+ its own extra pass)
     compress_s: float
     prefill_s: float            # the shared prefill + every method's statistics (no extra pass)
-    kl: Optional[float] = None  # fidelity: KL(FullKV ‖ method), mean over the teacher-forced tokens
+    # fidelity: KL(FullKV ‖ method), mean over the teacher-forced tokens
+    kl: Optional[float] = None
     dnll: Optional[float] = None
     top1: Optional[float] = None
     protocol: str = "prompt"    # what is compressed and charged (support/protocols.py)

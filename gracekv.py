@@ -12,10 +12,10 @@ all actions of all units compete for one budget. Read top to bottom, in the pape
  2. Slots (4)-(5): bends κ of the hidden-state trajectory over several layers and widths
     (mean − λ_stab·std), robust z-scored, cut by dynamic programming into slots of 16..128.
  3. Prototype trees and distortion (6)-(8): a node (n tokens) is one entry with key
-    k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value ṽ = Σ(R_t+β_v)v_t / Σ(R_t+β_v) with
-    the node's own β_v = 0.1·mean_{t∈v} R_t, and multiplicity m = clamp(n·ħ², 1, n) entering
-    attention as the logit bias log m; its distortion D for the probes (U and m queries of
-    high-evidence slots), D(drop) for nothing.
+    k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value
+    ṽ = Σ(R_t+β_v)v_t / Σ(R_t+β_v) with the node's own β_v = 0.1·mean_{t∈v} R_t, and
+    multiplicity m = clamp(n·ħ², 1, n) entering attention as the logit bias log m; its
+    distortion D for the probes (U and m queries of high-evidence slots), D(drop) for nothing.
  4. Relevance (9)-(10): each unit's own first hop ŝ (what its query heads' probes attend to);
     seeds = the top tokens of the mean ŝ, propagated hop by hop along a few sampled layers'
     attention, chosen seeds removed at each hop, to d̂ (shared); R = (1−λ)ŝ + λd̂ per unit.
@@ -76,14 +76,17 @@ class Settings:
     evidence: int = 32        # distortion probes also from high-evidence slots: this many per
     evidence_stride: int = 4  # layer, every stride-th query of the slots of highest peak R [choice]
     beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
-    floor_frac: float = 0.75  # φ: each unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice]
-    eps: float = 1e-6         # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in eq. 8's Z² + ε, ‖M‖² + ε
+    # φ: each unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice]
+    floor_frac: float = 0.75
+    # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in eq. 8's Z² + ε, ‖M‖² + ε
+    eps: float = 1e-6
     log_rho_max: float = 20.0  # guard on log(Z̃/Z): D stays finite in fp32 for extreme logits
     prefetch: int = 2048      # heap entries whose nodes are evaluated together (speed only)
     def __post_init__(self):
         if min(self.window, self.slot_min, self.prefetch, self.seeds, self.evidence_stride) < 1:
             raise UsageError("window, slot_min, seeds, prefetch and evidence_stride must be >= 1")
-        if not self.bend_widths or min(self.bend_widths) < 2:   # w = 1: μ₋ = h̄_i, δ₋ = 0 (eq. 4)
+        # w = 1: μ₋ = h̄_i, δ₋ = 0 (eq. 4)
+        if not self.bend_widths or min(self.bend_widths) < 2:
             raise UsageError("bend_widths must be a non-empty tuple of widths >= 2, "
                              f"got {self.bend_widths}")
         if self.slot_max < 2 * self.slot_min:
@@ -129,42 +132,42 @@ class ValueFlow:
 
     def begin(self, q, lc, layer: int) -> dict:
         T = q.shape[2]
-        acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         r = min(self.window, T)
         G = lc.k.shape[1]
         sampled = layer in self.sampled
-        return {"x": q.new_zeros(self.flow_rows(), G, T, dtype=acc),        # (rows, G, T)
-                "seed": (torch.arange(T, device=q.device) >= T - r).to(acc),  # (T,) u ∈ U
+        return {"x": q.new_zeros(self.flow_rows(), G, T, dtype=dtype),      # (rows, G, T)
+                "seed": (torch.arange(T, device=q.device) >= T - r).to(dtype),  # (T,) u ∈ U
                 "probes": q[0, :, T - r:].contiguous().clone(),              # (H, r, D)
                 "strided": q[0, :, ::self.stride].clone() if self.stride else None,
                 "queries": q[0].clone() if sampled else None,                # (H, T, D)
                 "k": lc.k[0],                                                # (G, T, D)
-                "lse": q.new_zeros(q.shape[1], T, dtype=acc) if sampled else None}
+                "lse": q.new_zeros(q.shape[1], T, dtype=dtype) if sampled else None}
 
     def flow_rows(self) -> int:      # rows of x: the first hop alone
         return 1
 
-    def add(self, st: dict, c0: int, c1: int, p):
+    def add(self, state: dict, c0: int, c1: int, p):
         """Query rows [c0, c1) with their attention p (1, H, c, c1)."""
-        G = st["x"].shape[1]
+        G = state["x"].shape[1]
         A = p[0].view(G, p.shape[1] // G, c1 - c0, c1).mean(1)        # (G, c, c1) group mean Ā
-        self.spread(st["x"], st["seed"], c0, c1, A)
-        if st["lse"] is not None:           # lse = logit − log A at the row's largest entry
+        self.spread(state["x"], state["seed"], c0, c1, A)
+        if state["lse"] is not None:        # lse = logit − log A at the row's largest entry
             top, j = p[0].max(-1)                                    # (H, c)
             H = len(j)
-            q = st["queries"][:, c0:c1]                              # (H, c, D)
+            q = state["queries"][:, c0:c1]                           # (H, c, D)
             head_group = torch.arange(H, device=j.device)[:, None] * G // H
-            kj = st["k"][head_group, j]                              # (H, c, D) the keys j*
+            kj = state["k"][head_group, j]                           # (H, c, D) the keys j*
             logit = (q.to(top) * kj.to(top)).sum(-1) / math.sqrt(q.shape[-1])
-            st["lse"][:, c0:c1] = logit - top.log()                  # (H, c)
+            state["lse"][:, c0:c1] = logit - top.log()               # (H, c)
 
     def spread(self, x, seed, c0: int, c1: int, A):
         """x_i += Σ_{u ∈ rows ∩ U} Ā[u, i]: the first hop of the chunk's rows."""
         prev = seed[c0:c1].expand(A.shape[0], -1)                    # (G, c)
         x[0, :, :c1] += (prev[:, None, :] @ A)[:, 0]
 
-    def end(self, st: dict):
-        return st["probes"], st["x"], st["queries"], st["strided"], 0, st["lse"]
+    def end(self, state: dict):
+        return state["probes"], state["x"], state["queries"], state["strided"], 0, state["lse"]
 
     def cut(self, value, a: int, b: int):
         """The value over keys a..b−1 alone (support/protocols.cut): the probes (the last r
@@ -202,7 +205,8 @@ class Flow:
     strided: list = field(default_factory=list)
     phase: list = field(default_factory=list)    # [int] strided query i is token i·stride + phase
     lse: list = field(default_factory=list)      # [(H, T) or None] the sampled layers' row log Σ
-    surprisal: Optional[torch.Tensor] = None     # (1, T) −log p of each token, if Settings.lambda_s
+    # (1, T) −log p of each token, if Settings.lambda_s
+    surprisal: Optional[torch.Tensor] = None
 
 
 def needs(s: "Settings", n_layers: int, statistic=ValueFlow) -> polykv.Needs:
@@ -232,9 +236,10 @@ def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 2
 # ============================================================================= slots (eqs. 4-5)
 
 def bends(h: torch.Tensor, w: int) -> torch.Tensor:
-    """Eq. 4, bends of a trajectory h (T, F) with h̄ = h/‖h‖: μ₋ = mean h̄_{i−w+1..i} (the
-    window ends at i itself), μ₊ = mean h̄_{i+1..i+w}, δ₋ = h̄_i − μ₋, δ₊ = μ₊ − h̄_i,
-    κ_i = 1 − cos(δ₋, δ₊); windows clipped at the ends; κ_0 = κ_{T−1} = 0 (one side empty)."""
+    """Eq. 4, bends of a trajectory h (T, F) with h̄ = h/‖h‖:
+    μ₋ = mean h̄_{i−w+1..i} (the window ends at i itself), μ₊ = mean h̄_{i+1..i+w},
+    δ₋ = h̄_i − μ₋, δ₊ = μ₊ − h̄_i, κ_i = 1 − cos(δ₋, δ₊);
+    windows clipped at the ends; κ_0 = κ_{T−1} = 0 (one side empty)."""
     T, h = h.shape[0], F.normalize(h, dim=-1)
     C = F.pad(h.cumsum(0), (0, 0, 1, 0))                          # (T+1, F) prefix sums
     i = torch.arange(T, device=h.device)
@@ -253,24 +258,26 @@ def robust_z(x: torch.Tensor) -> torch.Tensor:
     return (x - med) / (1.4826 * (x - med).abs().median() + 1e-12)
 
 
-def slot_bends(model, full: Cache, Tc: int, s: Settings, acc, surprisal=None) -> torch.Tensor:
-    """Boundary scores b (Tc,) of eq. 5: κ_i^{(l,w)} of the trajectories h_t = [k°_t/‖k°_t‖,
-    v_t/‖v_t‖] over heads (the cache's un-rotated keys and values at layer l: a linear image of the
-    hidden state) for the layers at `bend_depths` and the widths `bend_widths`; κ = mean −
-    λ_stab·std over (l, w); b = z(κ) + λ_s·z(surprisal (1, T): −log p of each token), robust z."""
+def slot_bends(model, full: Cache, Tc: int, s: Settings, dtype, surprisal=None) -> torch.Tensor:
+    """Boundary scores b (Tc,) of eq. 5: κ_i^{(l,w)} of the trajectories
+    h_t = [k°_t/‖k°_t‖, v_t/‖v_t‖] over heads (the cache's un-rotated keys and values at
+    layer l: a linear image of the hidden state) for the layers at `bend_depths` and the widths
+    `bend_widths`; κ = mean − λ_stab·std over (l, w);
+    b = z(κ) + λ_s·z(surprisal (1, T): −log p of each token), robust z."""
     # pos (T,): the keys' positions
-    T, pos, ks = full.layers[0].k.shape[2], full.layers[0].pos[0, 0], []
-    for lc in [full.layers[lb] for lb in depths(s.bend_depths, model.config.n_layers)]:
-        kb = M.apply_rope(lc.k[0].to(acc), -pos, model.inv_freq)       # (G, T, D)
+    T, pos, kappas = full.layers[0].k.shape[2], full.layers[0].pos[0, 0], []
+    for lc in [full.layers[layer] for layer in depths(s.bend_depths, model.config.n_layers)]:
+        k_unrotated = M.apply_rope(lc.k[0].to(dtype), -pos, model.inv_freq)   # (G, T, D)
         h = torch.cat(
-            (F.normalize(kb, dim=-1), F.normalize(lc.v[0].to(acc), dim=-1)), -1
+            (F.normalize(k_unrotated, dim=-1), F.normalize(lc.v[0].to(dtype), dim=-1)), -1
         ).transpose(0, 1)
-        ks += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
-    k = torch.stack(ks)                                                  # (layers·widths, Tc)
-    kappa = k.mean(0) - s.lambda_stab * (k.std(0, unbiased=False) if len(ks) > 1 else 0)
+        kappas += [bends(h.reshape(T, -1), w)[:Tc] for w in s.bend_widths]
+    stacked = torch.stack(kappas)                                        # (layers·widths, Tc)
+    std = stacked.std(0, unbiased=False) if len(kappas) > 1 else 0
+    kappa = stacked.mean(0) - s.lambda_stab * std
     if Tc == 1:                                          # one context token: nothing to z-score
-        return kappa + (s.lambda_s * surprisal[0, :Tc].to(acc) if s.lambda_s else 0)
-    return robust_z(kappa) + (s.lambda_s * robust_z(surprisal[0, :Tc].to(acc)) if s.lambda_s
+        return kappa + (s.lambda_s * surprisal[0, :Tc].to(dtype) if s.lambda_s else 0)
+    return robust_z(kappa) + (s.lambda_s * robust_z(surprisal[0, :Tc].to(dtype)) if s.lambda_s
                               else 0)
 
 
@@ -282,8 +289,9 @@ def n_slots(Tc: int, s: Settings) -> int:
 
 def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     """Eq. 5: the K-slot segmentation of [0, Tc), every slot slot_min..slot_max tokens, that
-    maximises the sum of b at its K − 1 cuts, by dynamic programming: best_k(i) = b_i + max over
-    j ∈ [i − max, i − min] of best_{k−1}(j), best_0 = 0 at 0 only. O(K·Tc·(max − min))."""
+    maximises the sum of b at its K − 1 cuts, by dynamic programming: best_k(i) = b_i + max
+    over j ∈ [i − max, i − min] of best_{k−1}(j), best_0 = 0 at 0 only.
+    O(K·Tc·(max − min))."""
     K = n_slots(Tc, s)
     if K <= 1:
         return [(0, Tc)] if Tc else []
@@ -298,9 +306,9 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     for k in range(1, K + 1):
         prev = F.pad(best, (hi, 0), value=float("-inf"))              # prev[i + hi] = best(i)
         # window of i: j = i − hi .. i − lo
-        m, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)
+        top, arg = prev.unfold(0, W, 1)[:Tc + 1].max(1)
         back.append(arg + torch.arange(Tc + 1, device=cpu) - hi)      # the previous cut j
-        best = m + (gain if k < K else 0.0)
+        best = top + (gain if k < K else 0.0)
     cuts = [Tc]
     for k in range(K, 0, -1):
         cuts.insert(0, int(back[k - 1][cuts[0]]))
@@ -341,26 +349,28 @@ class Span:
     """What a node's formulas read, for a batch of N nodes of at most n tokens: rows(x) gathers
     a (U, Tc+1, ·) tensor as (N, n, ·), zeros outside each node; nf (N,) token counts, p (N,)
     rounded mean positions, mask (N, n) the node's tokens (1.0), Rt (N, n) their relevance;
-    once the key is made, qk (N, P) = q_u·k̃/√D − c_u and logZ (N, P) = log Σ_{t∈v} A[u, t]."""
+    once the key is made, qk (N, P) = q_u·k̃/√D − c_u and
+    logZ (N, P) = log Σ_{t∈v} A[u, t]."""
 
-    def __init__(self, cx, rows, nf, p, mask, Rt):
-        self.cx, self.rows, self.nf, self.p, self.mask, self.Rt = cx, rows, nf, p, mask, Rt
+    def __init__(self, units, rows, nf, p, mask, Rt):
+        self.units, self.rows, self.nf, self.p, self.mask, self.Rt = units, rows, nf, p, mask, Rt
         self.qk = self.logZ = None
 
     @cached_property
     def kbar(self) -> torch.Tensor:
-        return self.rows(self.cx.kr).sum(1) / self.nf[:, None]               # mean k°  (N, D)
+        return self.rows(self.units.kr).sum(1) / self.nf[:, None]            # mean k°  (N, D)
 
 
 def key_unrotated(span: Span) -> torch.Tensor:
     """Eq. 6: k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t))."""
-    return M.apply_rope(span.kbar, span.p, span.cx.inv_freq)
+    return M.apply_rope(span.kbar, span.p, span.units.inv_freq)
 
 
 def multiplicity_hbar(span: Span) -> torch.Tensor:
-    """Eq. 7: ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m = clamp(n·ħ², 1, n); returns log m (N,)."""
+    """Eq. 7: ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m = clamp(n·ħ², 1, n); returns
+    log m (N,)."""
     nf = span.nf
-    hbar = span.kbar.norm(dim=-1) / (span.rows(span.cx.knorm).sum(1) / nf + span.cx.s.eps)
+    hbar = span.kbar.norm(dim=-1) / (span.rows(span.units.knorm).sum(1) / nf + span.units.s.eps)
     return (nf * hbar ** 2).clamp(min=1).minimum(nf).log()
 
 
@@ -375,80 +385,87 @@ def distortion(logZ, Z2, mu2, muv, logZp, v2, s):
     Z_u = Σ_t e^{q_u·k_t/√D − max}, M_u = Σ_t e^{q_u·k_t/√D − max} v_t,
     Z̃_u = m e^{q_u·k̃/√D − max}, M̃_u = Z̃_u ṽ,
     D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
-    Computed from Z_u² (Z2), μ = M/Z (‖μ‖² mu2, ⟨μ, ṽ⟩ muv), ‖ṽ‖² (v2, (N,)) and ρ = Z̃/Z =
-    exp(logZp − logZ), so that no exponential of a raw logit is taken: (Z − Z̃)² = Z²(1 − ρ)²,
-    ‖M − M̃‖² = Z²‖μ − ρṽ‖², ‖M‖² = Z²‖μ‖². D(drop): Z̃ = 0, M̃ = 0. D(I_v) = Σ_u w_u D_u with
-    w_u ∝ the attention mass u pays the node, exp(logZ) = Σ_{t∈v} A[u, t]. log ρ <= log_rho_max
-    (a guard: it binds only where (1 − ρ)² > e^40, past fp32's range)."""
+    Computed from Z_u² (Z2), μ = M/Z (‖μ‖² mu2, ⟨μ, ṽ⟩ muv), ‖ṽ‖² (v2, (N,))
+    and ρ = Z̃/Z = exp(logZp − logZ), so that no exponential of a raw logit is taken:
+    (Z − Z̃)² = Z²(1 − ρ)², ‖M − M̃‖² = Z²‖μ − ρṽ‖²,
+    ‖M‖² = Z²‖μ‖². D(drop): Z̃ = 0, M̃ = 0. D(I_v) = Σ_u w_u D_u with w_u ∝ the
+    attention mass u pays the node, exp(logZ) = Σ_{t∈v} A[u, t]. log ρ <= log_rho_max (a
+    guard: it binds only where (1 − ρ)² > e^40, past fp32's range)."""
     rho = (logZp - logZ).clamp(max=s.log_rho_max).exp()                     # (N, P) Z̃/Z
     err = (mu2 - 2 * rho * muv + rho ** 2 * v2[:, None]).clamp(min=0)        # ‖μ − ρṽ‖²
     Du = (s.lambda_z * Z2 * (1 - rho) ** 2 / (Z2 + s.eps)
           + s.lambda_m * Z2 * err / (Z2 * mu2 + s.eps))
-    Dd = s.lambda_z * Z2 / (Z2 + s.eps) + s.lambda_m * Z2 * mu2 / (Z2 * mu2 + s.eps)
+    Ddrop = s.lambda_z * Z2 / (Z2 + s.eps) + s.lambda_m * Z2 * mu2 / (Z2 * mu2 + s.eps)
     w = torch.softmax(logZ, -1)                                               # (N, P) mass weights
-    return (w * Du).sum(-1), (w * Dd).sum(-1)
+    return (w * Du).sum(-1), (w * Ddrop).sum(-1)
 
 
-def node_stats(cx: Units, unit, a, b, skip=None) -> dict:
+def node_stats(units: Units, unit, a, b, skip=None) -> dict:
     """Tightened spans, n, R, D, D(drop) and prototype (key, value, pos, log m) of nodes
     [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none):
     `_node_stats` over batches of similar lengths (support.greedy.by_length)."""
     skip = torch.full_like(a, -1) if skip is None else skip
-    return by_length(lambda *x: _node_stats(cx, *x), (unit, a, b, skip), b - a,
-                     cap=max(1, (1 << 21) // cx.lg.shape[2]))
+    return by_length(functools.partial(_node_stats, units), (unit, a, b, skip), b - a,
+                     cap=max(1, (1 << 21) // units.lg.shape[2]))
 
 
-def _node_stats(cx: Units, u, a, b, skip, n):
+def _node_stats(units: Units, u, a, b, skip, n):
     """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
-    s, f, Tc = cx.s, cx.f, cx.Tc
+    s, f, Tc = units.s, units.f, units.Tc
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
     mask = (idx < b[:, None]) & (idx != skip[:, None])
-    mask &= ~cx.hole[u[:, None], idx.clamp(max=Tc - 1)]
-    ix = idx.masked_fill(~mask, Tc)                                           # Tc: the sentinel row
-    cnt = mask.sum(1)                                                         # (N,) tokens n
+    mask &= ~units.hole[u[:, None], idx.clamp(max=Tc - 1)]
+    idx_or_sentinel = idx.masked_fill(~mask, Tc)                              # Tc: the sentinel row
+    count = mask.sum(1)                                                       # (N,) tokens n
     first = mask.to(torch.int8).argmax(1)
     last = n - 1 - mask.flip(1).to(torch.int8).argmax(1)
-    nf = cnt.clamp(min=1).to(cx.kr.dtype)
+    nf = count.clamp(min=1).to(units.kr.dtype)
     # rows of (U·(Tc+1), ·)
-    flat = (u[:, None] * (Tc + 1) + ix).view(-1)
+    flat = (u[:, None] * (Tc + 1) + idx_or_sentinel).view(-1)
 
-    def rows(x):                      # (U, Tc+1, ·) -> (N, n, ·), the sentinel row outside the node
+    def rows(x):
+        """(U, Tc+1, ·) -> (N, n, ·), the sentinel row outside the node."""
         return x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
-    V = rows(cx.v)                                                            # (N, n, D), 0 outside
+    V = rows(units.v)                                                         # (N, n, D), 0 outside
     # rounded mean position
-    p = ((idx * mask).sum(1) / nf).round() + cx.p0
-    Rt = rows(cx.R)                                                           # (N, n), 0 outside
-    span = Span(cx, rows, nf, p, mask.to(Rt.dtype), Rt)
+    p = ((idx * mask).sum(1) / nf).round() + units.p0
+    Rt = rows(units.R)                                                        # (N, n), 0 outside
+    span = Span(units, rows, nf, p, mask.to(Rt.dtype), Rt)
     key = f.key(span)                                                         # k̃ (N, D), eq. 6
     w = Rt + f.value_beta(span, s.beta)[:, None] * span.mask                  # R_t + β_v (N, n)
     val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
     # (N, n, P), −inf outside
-    lg = rows(cx.lg)
-    # (N, P) log-space shift
-    mx = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)
-    # e = exp(lg − mx) ≤ 1, the largest term 1; exponents below −80 clamped: e ≥ 1.8e−35 in place of
-    # a denormal or 0 (the CPU's exp: up to 30× slower), which next to 1 vanishes from every sum
-    e = (lg - mx[:, None]).clamp_(min=-80.0).exp_()
+    lg = rows(units.lg)
+    # (N, P) log-space shift: the largest logit of each probe over the node's tokens
+    lg_max = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)
+    # e = exp(lg − lg_max) ≤ 1, the largest term 1; exponents below −80 clamped:
+    # e ≥ 1.8e−35 in place of a denormal or 0 (the CPU's exp: up to 30× slower), which next
+    # to 1 vanishes from every sum
+    e = (lg - lg_max[:, None]).clamp_(min=-80.0).exp_()
     Z = e.sum(1)                                                              # (N, P)
     # unseen: weight 0
-    logZ = (Z.log() + mx).masked_fill((a + last)[:, None] > cx.qpos.index_select(0, u), -1e30)
+    unseen = (a + last)[:, None] > units.qpos.index_select(0, u)
+    logZ = (Z.log() + lg_max).masked_fill(unseen, -1e30)
     # a = e/Z: Z² may underflow
     e /= Z[:, None]
-    Pn, Dh = e.shape[2], V.shape[2]
-    if n * (Dh + Pn) <= Pn * Dh:     # short spans: ‖μ‖² = aᵀ(VVᵀ)a, n²·(D+P) per node
+    n_probes, head_dim = e.shape[2], V.shape[2]
+    # short spans: ‖μ‖² = aᵀ(VVᵀ)a, n²·(D+P) per node
+    if n * (head_dim + n_probes) <= n_probes * head_dim:
         mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1)                         # (N, P)
     else:                            # long spans: μ = aᵀV directly, n·P·D per node
         mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1)                          # (N, P)
     muv = (e * (V @ val[..., None])).sum(1)                                   # (N, P) ⟨μ, ṽ⟩
-    qk = batched_logits(cx.q, u, key) - cx.c.index_select(0, u)               # (N, P) q_u·k̃/√D − c
+    # (N, P) q_u·k̃/√D − c
+    qk = batched_logits(units.q, u, key) - units.c.index_select(0, u)
     span.qk, span.logZ = qk, logZ
     logm = f.multiplicity(span)                                               # log m (N,), eq. 7
-    logZp = logm[:, None] + qk                                      # log Z̃ = log m + q·k̃/√D − c
-    D, Dd = distortion(logZ, Z.pow(2), mu2, muv, logZp, val.pow(2).sum(-1), s)
+    logZp = logm[:, None] + qk                                # log Z̃ = log m + q·k̃/√D − c
+    D, Ddrop = distortion(logZ, Z.pow(2), mu2, muv, logZp, val.pow(2).sum(-1), s)
     zero = torch.zeros((), dtype=D.dtype, device=D.device)
-    return dict(unit=u, a=a + first, b=a + last + 1, n=cnt, R=Rt.sum(1),
-                D=torch.where(cnt <= 1, zero, D),                            # a leaf is its token
-                Ddrop=torch.where(cnt == 0, zero, Dd), key=key, val=val, pos=p.long(), logm=logm)
+    return dict(unit=u, a=a + first, b=a + last + 1, n=count, R=Rt.sum(1),
+                D=torch.where(count <= 1, zero, D),                          # a leaf is its token
+                Ddrop=torch.where(count == 0, zero, Ddrop), key=key, val=val, pos=p.long(),
+                logm=logm)
 
 
 # ========================================================== value flow and head weights (eqs. 9-11)
@@ -463,53 +480,57 @@ def evidence_probes(
     if not s.evidence or not slots:
         return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
     # (L, Tc)
-    Rl = (
+    R_layer = (
         R.view(-1, G, R.shape[1])
         .mean(1)
         .index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)
     )
-    peaks = torch.stack([Rl[:, a:b].amax(1) for a, b in slots], 1).tolist()   # (L, K), one read
-    out, st = [], s.evidence_stride
+    # (L, K), one read
+    peaks = torch.stack([R_layer[:, a:b].amax(1) for a, b in slots], 1).tolist()
+    out, stride = [], s.evidence_stride
     for peak in peaks:
         best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
-        at = [(t - phase) // st for a, b in best for t in range(a + (phase - a) % st, b, st)]
+        at = [(t - phase) // stride
+              for a, b in best for t in range(a + (phase - a) % stride, b, stride)]
         out.append(at[:s.evidence])
     return torch.tensor(out, dtype=torch.long, device=R.device)
 
 
-def probes(model, full: Cache, flow: Flow, acc, ev: torch.Tensor, stride: int):
+def probes(model, full: Cache, flow: Flow, dtype, ev: torch.Tensor, stride: int):
     """Distortion probes per unit, g heads each: U (the last r tokens), then the evidence probes
     ev (L, m): q (U, P, D), causal logits over every key lg (U, P, T), the rows' logsumexp
     c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
     cfg = model.config
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     # pos (T,)
-    rp, pos, qs, lgs, ats = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
+    r, pos, qs, lgs, probe_tokens = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
     # U: the prompt's last r
-    last = torch.arange(full.next_pos - rp, full.next_pos, device=pos.device)
+    last = torch.arange(full.next_pos - r, full.next_pos, device=pos.device)
     for l, lc in enumerate(full.layers):
-        eq = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]  # (H, m, D)
+        # (H, m, D)
+        evidence_q = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]
         # (P,) the probes' positions
         at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)
-        q = torch.cat((flow.probes[l], eq), 1).to(acc).reshape(G, -1, D)   # (G, P, D)
-        lg = (q @ lc.k[0].to(acc).transpose(1, 2)) / math.sqrt(D)    # (G, P, T)
+        q = torch.cat((flow.probes[l], evidence_q), 1).to(dtype).reshape(G, -1, D)  # (G, P, D)
+        lg = (q @ lc.k[0].to(dtype).transpose(1, 2)) / math.sqrt(D)  # (G, P, T)
         lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
         qs.append(q)
-        ats.append((at - pos[0]).expand(G, -1))                       # token indices
+        probe_tokens.append((at - pos[0]).expand(G, -1))              # token indices
     lg = torch.cat(lgs)                                              # (U, P, T)
-    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(ats)
+    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(probe_tokens)
 
 
-def head_weights(model, full: Cache, lg, acc, r: int) -> torch.Tensor:
+def head_weights(model, full: Cache, lg, dtype, r: int) -> torch.Tensor:
     """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
-    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads' outputs)."""
+    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads'
+    outputs)."""
     cfg, omega = model.config, []
     G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
     for l, lc in enumerate(full.layers):
-        lu = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
-        out = torch.softmax(lu, -1) @ lc.v[0, :, None].to(acc)      # (G, g, r, D) head outputs
+        lg_window = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
+        out = torch.softmax(lg_window, -1) @ lc.v[0, :, None].to(dtype)  # (G, g, r, D) outputs
         # (dim, G, g, D)
-        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(acc).view(-1, G, g, D)
+        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(dtype).view(-1, G, g, D)
         a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
         b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
         omega.append((a * b).sqrt())
@@ -518,8 +539,9 @@ def head_weights(model, full: Cache, lg, acc, r: int) -> torch.Tensor:
 
 def relevance(model, full: Cache, flow: Flow, Tc: int, s: Settings, f: "Formulas"):
     """Eqs. 9-10 per unit: the first hop ŝ (x^0 over the context, normalised per unit), the
-    multi-hop d̂ and the seeds (f.multi_hop), R = (1 − λ_graph)·ŝ + λ_graph·d̂, each unit its
-    own row (only d̂ is shared). Returns (R (U, Tc), ŝ (U, Tc), seeds [token ids, hop order])."""
+    multi-hop d̂ and the seeds (f.multi_hop), R = (1 − λ_graph)·ŝ + λ_graph·d̂, each unit
+    its own row (only d̂ is shared). Returns (R (U, Tc), ŝ (U, Tc), seeds [token ids, hop
+    order])."""
     x = torch.stack([y[0] for y in flow.flow])[..., :Tc]             # (L, G, Tc) first hop
     s_hat = unit_norm(x.reshape(-1, Tc))                             # (U, Tc)
     d_hat, seeds = f.multi_hop(model, full, flow, s_hat, s)          # (Tc,) shared, or (U, Tc)
@@ -534,8 +556,9 @@ def unit_norm(y: torch.Tensor) -> torch.Tensor:                       # rows sum
 def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
     """rows(idx) -> (len(idx), Tc): the token attention map the hops walk on, mean over all H
     heads and the sampled layers (those whose queries the flow kept): (1 − forward)·A[idx, :]
-    (what tokens idx < Tc read) + forward·A[:, idx]ᵀ (who reads them), A[i, j] = exp(q_i·k_j/√D
-    − lse_i) with the observed normalisers (the whole prompt's, also under `context`)."""
+    (what tokens idx < Tc read) + forward·A[:, idx]ᵀ (who reads them),
+    A[i, j] = exp(q_i·k_j/√D − lse_i) with the observed normalisers (the whole prompt's, also
+    under `context`)."""
     H, G, every = (model.config.n_heads, model.config.n_kv_heads,
                    torch.arange(Tc, device=full.layers[0].k.device))
     layers = [l for l, q in enumerate(flow.queries) if q is not None]
@@ -550,24 +573,29 @@ def hop_rows(model, full: Cache, flow: Flow, Tc: int, forward: float = 0.0):
         return lg.masked_fill(keys[None, :] > at[:, None], float("-inf")).exp()
 
     def rows(idx):                                                   # (n, Tc)
-        back = lambda l: A(l, idx, every).mean(0) if forward < 1 else 0.0
-        fwd = lambda l: A(l, every, idx).mean(0).T if forward > 0 else 0.0
-        return sum((1 - forward) * back(l) + forward * fwd(l) for l in layers) / len(layers)
+        def reads(l):
+            """Layer l's A[idx, :], what tokens idx read (0 when only the forward map counts)."""
+            return A(l, idx, every).mean(0) if forward < 1 else 0.0
+
+        def readers(l):
+            """Layer l's A[:, idx]ᵀ, who reads tokens idx (0 when only reads count)."""
+            return A(l, every, idx).mean(0).T if forward > 0 else 0.0
+        return sum((1 - forward) * reads(l) + forward * readers(l) for l in layers) / len(layers)
     return rows
 
 
 def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
     """The hop-wise multi-hop of eq. 9-10 on a token attention map rows(idx) -> (|idx|, Tc):
-    seeds S_0 = the n_seeds tokens of highest s̄ (weights s̄); hop k: d_k = Σ_{j∈S_{k−1}} w_j·A[j,
-    ·]
-    with every seed chosen so far set to 0, S_k = its n_seeds best (weights d_k);
-    d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows). Returns (d̂ (Tc,), seeds)."""
+    seeds S_0 = the n_seeds tokens of highest s̄ (weights s̄); hop k:
+    d_k = Σ_{j∈S_{k−1}} w_j·A[j, ·] with every seed chosen so far set to 0, S_k = its n_seeds
+    best (weights d_k); d̂ = normalised Σ_k decay^(k−1)·d_k (s̄ itself if nothing flows).
+    Returns (d̂ (Tc,), seeds)."""
     # best first, ties to the later token
     def order(v):
         rank = torch.sort(v.flip(0), descending=True, stable=True).indices
         best = (len(v) - 1 - rank)[:n_seeds]
         ids, flows = torch.stack((best, (v[best] > 0).long())).tolist()   # one read
-        return [i for i, f in zip(ids, flows) if f]
+        return [i for i, flowing in zip(ids, flows) if flowing]
     frontier = order(s_bar)
     seeds, w, d = list(frontier), s_bar[frontier], torch.zeros_like(s_bar)
     for k in range(1, hops + 1):
@@ -584,7 +612,8 @@ def propagate(s_bar: torch.Tensor, rows, n_seeds: int, hops: int, decay: float):
 
 
 def seeded_hops(model, full: Cache, flow: Flow, s_hat, s: Settings):
-    """The paper's multi-hop: s̄ = mean of ŝ over units, `propagate` on the sampled layers' map."""
+    """The paper's multi-hop: s̄ = mean of ŝ over units, `propagate` on the sampled layers'
+    map."""
     Tc = s_hat.shape[1]
     rows = hop_rows(model, full, flow, Tc, s.hop_forward)
     return propagate(unit_norm(s_hat.mean(0)), rows, s.seeds, s.hops, s.decay)
@@ -605,7 +634,10 @@ class Context:
     f: "Formulas"         # the formula each step calls
     G: int = 1            # KV heads per layer: units l·G .. l·G+G−1 share layer l's cache
 
-    Tc = property(lambda self: self.T - self.r)
+    @property
+    def Tc(self) -> int:
+        """Tc = T − r context tokens."""
+        return self.T - self.r
 
 
 def context(model, full: Cache, flow: Flow, r: int, s: Settings,
@@ -614,21 +646,25 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings,
     the units' un-rotated keys, values and probe log-masses. f: the paper's formulas if None."""
     f = f or Formulas()
     T, Tc = full.layers[0].k.shape[2], full.layers[0].k.shape[2] - r
-    acc = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     R, s_hat, seeds = f.relevance(model, full, flow, Tc, s, f)       # (U, Tc), (U, Tc), [t]
-    kappa = slot_bends(model, full, Tc, s, acc, flow.surprisal)      # (Tc,)
+    kappa = slot_bends(model, full, Tc, s, dtype, flow.surprisal)    # (Tc,)
     slots = f.slotting(kappa, Tc, s)
     G = model.config.n_kv_heads
     ev = evidence_probes(R, slots, G, s, flow.phase[0])              # (L, m)
     # (U, P, D), (U, P, T), (U, P) ×2
-    q, lg, c, qpos = probes(model, full, flow, acc, ev, s.evidence_stride)
-    omega = head_weights(model, full, lg, acc, flow.probes[0].shape[1])   # (U,)
+    q, lg, c, qpos = probes(model, full, flow, dtype, ev, s.evidence_stride)
+    omega = head_weights(model, full, lg, dtype, flow.probes[0].shape[1])   # (U,)
     pos = full.layers[0].pos[0, 0]                                   # (T,) the keys' positions
-    pad = lambda x, val=0.0: F.pad(x, (0, 0, 0, 1), value=val)       # the sentinel row Tc
-    kr = torch.cat([pad(M.apply_rope(lc.k[0, :, :Tc].to(acc), -pos[:Tc], model.inv_freq))
+
+    def pad(x, val=0.0):
+        """x (U, Tc, ·) with the sentinel row Tc appended, filled with val."""
+        return F.pad(x, (0, 0, 0, 1), value=val)
+    kr = torch.cat([pad(M.apply_rope(lc.k[0, :, :Tc].to(dtype), -pos[:Tc], model.inv_freq))
                     for lc in full.layers])                          # (U, Tc+1, D) k°
-    post = torch.cat([pad(lc.k[0, :, :Tc].to(acc)) for lc in full.layers])   # (U, Tc+1, D) k
-    units = Units(kr=kr, v=torch.cat([pad(lc.v[0, :, :Tc].to(acc)) for lc in full.layers]), k=post,
+    post = torch.cat([pad(lc.k[0, :, :Tc].to(dtype)) for lc in full.layers])  # (U, Tc+1, D) k
+    values = torch.cat([pad(lc.v[0, :, :Tc].to(dtype)) for lc in full.layers])  # (U, Tc+1, D) v
+    units = Units(kr=kr, v=values, k=post,
                   knorm=kr.norm(dim=-1),
                   lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
                   q=q, c=c, R=F.pad(R, (0, 1)).contiguous(),                          # (U, Tc+1)
@@ -675,10 +711,10 @@ class Node:
 NODE_FIELDS = Node.__slots__
 
 
-def add_nodes(nodes: list, st: dict, rows) -> list:
-    """Append rows of node_stats' output st to the node table; returns their node ids."""
+def add_nodes(nodes: list, stats: dict, rows) -> list:
+    """Append rows of node_stats' output `stats` to the node table; returns their node ids."""
     first = len(nodes)
-    cols = [st[f][rows] for f in NODE_FIELDS]
+    cols = [stats[f][rows] for f in NODE_FIELDS]
     cols = [x.tolist() if x.dim() == 1 else x.unbind(0) for x in cols]
     nodes.extend(Node(*vals) for vals in zip(*cols))
     return list(range(first, len(nodes)))
@@ -713,12 +749,12 @@ def picture(plan: Plan, unit: int, Tc: int) -> list:
     """One unit's cache as text, a line per slot and a character per context token: 'F' floor
     token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
     recent window (exact) is not drawn."""
-    nd, row = plan.nodes, ["."] * Tc
-    mine = sorted((nd[i].a, i) for i in plan.frontier if nd[i].unit == unit)
-    leaves = {nd[i].a for _, i in mine if nd[i].n == 1}
+    nodes, row = plan.nodes, ["."] * Tc
+    mine = sorted((nodes[i].a, i) for i in plan.frontier if nodes[i].unit == unit)
+    leaves = {nodes[i].a for _, i in mine if nodes[i].n == 1}
     letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
-    for k, (_, i) in enumerate([e for e in mine if nd[e[1]].n > 1]):
-        for t in range(nd[i].a, nd[i].b):
+    for k, (_, i) in enumerate([e for e in mine if nodes[e[1]].n > 1]):
+        for t in range(nodes[i].a, nodes[i].b):
             if not plan.floor[unit, t] and t not in leaves:
                 row[t] = letters[k % len(letters)]
     for t in leaves:
@@ -728,12 +764,12 @@ def picture(plan: Plan, unit: int, Tc: int) -> list:
     return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
 
 
-def extract_three(cx, u, a, b, free, within):
+def extract_three(ctx, u, a, b, free, within):
     """The paper's extraction: the token t of highest R^tok leaves as an exact leaf, both sides
     stay nodes: children [a, t), {t}, [t+1, b) (an empty side is no child: t at an end of the
     span makes 2 children at cost 1 [choice]). Returns (t (N,), [(start, end, skip)] the
     candidate children, each (N,); skip −1: none)."""
-    t = a + cx.units.R[u[:, None], within].masked_fill(~free, float("-inf")).argmax(1)
+    t = a + ctx.units.R[u[:, None], within].masked_fill(~free, float("-inf")).argmax(1)
     none = torch.full_like(a, -1)
     return t, [(a, t, none), (t, t + 1, none), (t + 1, b, none)]
 
@@ -746,12 +782,12 @@ class Children(NamedTuple):
 
 
 def split_gain(omega, R_v, D_v, children: Children):
-    """Eq. 12: Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)): the parent's relevance times
-    the drop in distortion (nodes (N,))."""
+    """Eq. 12: Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)): the parent's relevance
+    times the drop in distortion (nodes (N,))."""
     return omega * R_v * (D_v - children.D.sum(0))
 
 
-def best_splits(cx, plan: Plan, ids: list):
+def best_splits(ctx, plan: Plan, ids: list):
     """Best split of each node, by gain per entry (ties: bisection): a bisection at the highest κ
     in its central half (2 children, cost 1), or the extraction of f.extract (the paper's: 3
     children, cost 2). Gain: f.split_gain (eq. 12), cost = children − 1. An extracted token
@@ -760,79 +796,86 @@ def best_splits(cx, plan: Plan, ids: list):
     if not ids:
         return
     u, a, b = (
-        torch.tensor([getattr(nodes[i], k) for i in ids], device=cx.units.kr.device)
+        torch.tensor([getattr(nodes[i], k) for i in ids], device=ctx.units.kr.device)
         for k in ("unit", "a", "b")
     )
     length = b - a
     n = int(length.max())
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
-    within = idx.clamp(max=cx.Tc - 1)
-    q = (length // 4).clamp(min=1)[:, None]
-    central = (idx >= a[:, None] + q) & (idx <= b[:, None] - q)
-    c = a + cx.kappa[within].masked_fill(~central, float("-inf")).argmax(1)       # bisection point
-    free = (idx < b[:, None]) & ~cx.units.hole[u[:, None], within]
-    t, ext = cx.f.extract(cx, u, a, b, free, within)
+    within = idx.clamp(max=ctx.Tc - 1)
+    quarter = (length // 4).clamp(min=1)[:, None]
+    central = (idx >= a[:, None] + quarter) & (idx <= b[:, None] - quarter)
+    # the bisection point
+    cut = a + ctx.kappa[within].masked_fill(~central, float("-inf")).argmax(1)
+    free = (idx < b[:, None]) & ~ctx.units.hole[u[:, None], within]
+    t, ext = ctx.f.extract(ctx, u, a, b, free, within)
     none = torch.full_like(a, -1)
     # K candidate children
-    cand = [(a, c, none), (c, b, none)] + ext
-    K = len(cand)
-    stats = node_stats(cx.units, u.repeat(K), *(torch.cat([x[i] for x in cand]) for i in range(3)))
+    candidates = [(a, cut, none), (cut, b, none)] + ext
+    K = len(candidates)
+    starts, ends, skips = (torch.cat([x[i] for x in candidates]) for i in range(3))
+    stats = node_stats(ctx.units, u.repeat(K), starts, ends, skips)
     valid = (stats["n"] > 0).view(K, -1)                      # (K, N) the non-empty children
-    Dc = stats["D"].view(K, -1) * valid                       # (K, N), a leaf's D = 0
-    Rc = stats["R"].view(K, -1) * valid
-    Rv, Dv = (torch.tensor([getattr(nodes[i], f) for i in ids], device=a.device, dtype=Dc.dtype)
-              for f in ("R", "D"))
-    omega = cx.omega[u]
-    g_bis = cx.f.split_gain(omega, Rv, Dv, Children(Rc[:2], Dc[:2]))
-    g_ext = cx.f.split_gain(omega, Rv, Dv, Children(Rc[2:], Dc[2:]))
-    c_bis, c_ext = valid[:2].sum(0) - 1, (valid[2:].sum(0) - 1).clamp(min=1)
-    use_ext = g_ext / c_ext > g_bis / c_bis.clamp(min=1)
-    cx.units.hole[u[use_ext], t[use_ext]] = True
-    gain, cost = (torch.where(use_ext, g_ext, g_bis).tolist(),
-                  torch.where(use_ext, c_ext, c_bis).tolist())
+    D_children = stats["D"].view(K, -1) * valid               # (K, N), a leaf's D = 0
+    R_children = stats["R"].view(K, -1) * valid
+    R_v, D_v = (
+        torch.tensor([getattr(nodes[i], f) for i in ids], device=a.device, dtype=D_children.dtype)
+        for f in ("R", "D")
+    )
+    omega = ctx.omega[u]
+    bisected = Children(R_children[:2], D_children[:2])
+    extracted = Children(R_children[2:], D_children[2:])
+    gain_bisect = ctx.f.split_gain(omega, R_v, D_v, bisected)
+    gain_extract = ctx.f.split_gain(omega, R_v, D_v, extracted)
+    cost_bisect = valid[:2].sum(0) - 1
+    cost_extract = (valid[2:].sum(0) - 1).clamp(min=1)
+    use_ext = gain_extract / cost_extract > gain_bisect / cost_bisect.clamp(min=1)
+    ctx.units.hole[u[use_ext], t[use_ext]] = True
+    gain, cost = (torch.where(use_ext, gain_extract, gain_bisect).tolist(),
+                  torch.where(use_ext, cost_extract, cost_bisect).tolist())
     pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (K, N) children rows
     # (node, candidate) pairs
     pairs = pick.T.nonzero()
     kids = add_nodes(nodes, stats, pairs[:, 1] * len(ids) + pairs[:, 0])
     start = 0
-    for node, gv, cv, nk in zip(ids, gain, cost, pick.sum(0).tolist()):
-        plan.split[node] = Split(gv, cv, kids[start:start + nk])
-        start += nk
+    for node, node_gain, node_cost, n_kids in zip(ids, gain, cost, pick.sum(0).tolist()):
+        plan.split[node] = Split(node_gain, node_cost, kids[start:start + n_kids])
+        start += n_kids
 
 
-def rank_by_gain(cx, plan: Plan) -> dict:
+def rank_by_gain(ctx, plan: Plan) -> dict:
     """Eq. 13 as stated: an add competes by Δ_add / 1 (root -> its rank in the heap)."""
     return dict(plan.add_gain)
 
 
-def adds(cx, B_alloc: int) -> tuple:
+def adds(ctx, B_alloc: int) -> tuple:
     """Eq. 12's adds: every slot's root of every unit with its Δ_add = ω·R(root)·(D_drop −
     D(root)), ranked by f.rank_adds (eq. 13 as stated: by the gain itself). Returns the Plan and
     the heap of (−gain/cost, tie, kind, node) it starts from."""
     # floor = the holes before the greedy
-    plan = Plan(B_alloc, floor=cx.units.hole.clone(), slots=cx.slots)
-    roots = [(j, a, b) for j in range(cx.units.kr.shape[0]) for a, b in cx.slots]
+    plan = Plan(B_alloc, floor=ctx.units.hole.clone(), slots=ctx.slots)
+    roots = [(j, a, b) for j in range(ctx.units.kr.shape[0]) for a, b in ctx.slots]
     if roots:
-        u, a, b = (torch.tensor(x, device=cx.units.kr.device) for x in zip(*roots))
-        stats = node_stats(cx.units, u, a, b)
+        u, a, b = (torch.tensor(x, device=ctx.units.kr.device) for x in zip(*roots))
+        stats = node_stats(ctx.units, u, a, b)
         keep = (stats["n"] > 0).nonzero()[:, 0]
-        gain = cx.omega[stats["unit"]] * stats["R"] * (stats["Ddrop"] - stats["D"])
+        gain = ctx.omega[stats["unit"]] * stats["R"] * (stats["Ddrop"] - stats["D"])
         plan.add_gain = dict(zip(add_nodes(plan.nodes, stats, keep), gain[keep].tolist()))
-    rank = plan.add_rank = cx.f.rank_adds(cx, plan)
+    rank = plan.add_rank = ctx.f.rank_adds(ctx, plan)
     heap = [(-g, i, "add", i) for i, g in rank.items()]
     heapq.heapify(heap)
     return plan, heap
 
 
-def allocate(cx, B_alloc: int) -> Plan:
+def allocate(ctx, B_alloc: int) -> Plan:
     """Budget flow (eq. 13), the paper's loop: one max-heap over add(root) (cost 1) and
     split(added node) (cost = children − 1) by gain per entry; the best action is applied if its
     cost fits what is left, else dropped [choice: not retried]; a node entering the cache gets
     its best split (eq. 12, `best_splits`) and joins the heap. B_alloc counts entries (the
     cache is ragged: each unit holds exactly its own). Extractions mark holes in
-    cx.units.hole: one Context serves one call. `allocate_prefetched` is the same flow with the
+    ctx.units.hole: one Context serves one call. `allocate_prefetched` is the same flow with the
     splits evaluated ahead in batches (the default; tested equal)."""
-    plan, heap = adds(cx, B_alloc)
+    plan, heap = adds(ctx, B_alloc)
     nodes, tie, left = plan.nodes, len(heap), B_alloc
     while heap and left > 0:
         _, _, kind, v = heapq.heappop(heap)
@@ -846,70 +889,71 @@ def allocate(cx, B_alloc: int) -> Plan:
             plan.frontier.remove(v)
         plan.frontier.update(kids)
         splittable = [c for c in kids if nodes[c].n > 1]
-        best_splits(cx, plan, [c for c in splittable if c not in plan.split])
+        best_splits(ctx, plan, [c for c in splittable if c not in plan.split])
         for c in splittable:
-            sg, sc, _ = plan.split[c]
+            child_split = plan.split[c]
             tie += 1
-            heapq.heappush(heap, (-sg / sc, tie, "split", c))
+            heapq.heappush(heap, (-child_split.gain / child_split.cost, tie, "split", c))
     return plan
 
 
-def allocate_prefetched(cx, B_alloc: int) -> Plan:
+def allocate_prefetched(ctx, B_alloc: int) -> Plan:
     """`allocate` with the best splits evaluated ahead, in batches (support/greedy.py)."""
-    plan, heap = adds(cx, B_alloc)
-    return prefetched_flow(plan, heap, B_alloc, functools.partial(best_splits, cx, plan),
-                           cx.s.prefetch)
+    plan, heap = adds(ctx, B_alloc)
+    return prefetched_flow(plan, heap, B_alloc, functools.partial(best_splits, ctx, plan),
+                           ctx.s.prefetch)
 
 
 # ============================================================================= singleton floor
 
-def seed_floor(cx: Context, per_unit: int) -> int:
+def seed_floor(ctx: Context, per_unit: int) -> int:
     """The budget-aware singleton floor, "chosen from the high-scoring seeds" (the paper): each
     unit keeps exact its own top min(per_unit, |seeds|) of the multi-hop's seeds, ranked by its
     own R^tok (eq. 10; ties to the later token), as holes in its trees, before the competition;
-    per_unit = ⌊floor_frac·(B − r)⌋ grows with B up to the |seeds| = seeds·(hops + 1) candidates
-    [choice: dev, docs/gracekv.md]. Returns its entries (<= U·per_unit)."""
-    k = min(max(per_unit, 0), len(cx.seeds))
+    per_unit = ⌊floor_frac·(B − r)⌋ grows with B up to the |seeds| = seeds·(hops + 1)
+    candidates [choice: dev, docs/gracekv.md]. Returns its entries (<= U·per_unit)."""
+    k = min(max(per_unit, 0), len(ctx.seeds))
     if k == 0:
         return 0
-    dev = cx.units.hole.device
-    seeds = torch.tensor(sorted(cx.seeds), device=dev).flip(0)      # (n,) latest first: ties to it
-    Rs = cx.units.R[:, seeds]                                        # (U, n) each unit's own R^tok
-    best = Rs.sort(dim=-1, descending=True, stable=True).indices[:, :k]   # (U, k)
-    cx.units.hole.scatter_(1, seeds[best], True)
-    return cx.units.hole.shape[0] * k
+    dev = ctx.units.hole.device
+    seeds = torch.tensor(sorted(ctx.seeds), device=dev).flip(0)      # (n,) latest first: ties to it
+    R_seeds = ctx.units.R[:, seeds]                                  # (U, n) each unit's own R^tok
+    best = R_seeds.sort(dim=-1, descending=True, stable=True).indices[:, :k]   # (U, k)
+    ctx.units.hole.scatter_(1, seeds[best], True)
+    return ctx.units.hole.shape[0] * k
 
 
 # ============================================================================= cache assembly
 
-def assemble(cx, full: Cache, plan: Plan) -> Cache:
+def assemble(ctx, full: Cache, plan: Plan) -> Cache:
     """Per unit: floor tokens, window and frontier leaves exact (bias 0), prototypes with bias
     log m; sorted by position; a ragged layer (model.LayerCache.pack: no padding)."""
-    nd, G, Tc = plan.nodes, full.layers[0].k.shape[1], cx.Tc
-    U = cx.units.kr.shape[0]
+    nodes, G, Tc = plan.nodes, full.layers[0].k.shape[1], ctx.Tc
+    U = ctx.units.kr.shape[0]
     mine, floor = [[] for _ in range(U)], [[] for _ in range(U)]     # per unit: frontier, floor
     for i in sorted(plan.frontier):
-        mine[nd[i].unit].append(i)
+        mine[nodes[i].unit].append(i)
     for j, t in plan.floor.nonzero().tolist():                        # one read for every unit
         floor[j].append(t)
-    dev, layers = cx.units.kr.device, []
+    dev, layers = ctx.units.kr.device, []
     for l, lc in enumerate(full.layers):
         heads = []
         for g in range(G):
             j = l * G + g
-            protos = [nd[i] for i in mine[j] if nd[i].n > 1]
-            leaves = [nd[i].a for i in mine[j] if nd[i].n == 1]
-            ex = sorted(floor[j] + leaves) + list(range(Tc, cx.T))
-            ex = torch.tensor(ex, dtype=torch.long, device=dev)              # exact entries
-            k, v, pos, bias = lc.k[0, g, ex], lc.v[0, g, ex], lc.pos[0, g, ex], lc.bias[0, g, ex]
+            protos = [nodes[i] for i in mine[j] if nodes[i].n > 1]
+            leaves = [nodes[i].a for i in mine[j] if nodes[i].n == 1]
+            exact = sorted(floor[j] + leaves) + list(range(Tc, ctx.T))
+            exact = torch.tensor(exact, dtype=torch.long, device=dev)        # exact entries
+            k, v = lc.k[0, g, exact], lc.v[0, g, exact]
+            pos, bias = lc.pos[0, g, exact], lc.bias[0, g, exact]
             # bias log m: m tokens' mass
             if protos:
                 more = (torch.stack([x.key for x in protos]), torch.stack([x.val for x in protos]),
                         torch.tensor([x.pos for x in protos], device=dev),
                         torch.tensor([x.logm for x in protos], dtype=torch.float64, device=dev))
                 k, v, pos, bias = (torch.cat((x, y.to(x))) for x, y in zip((k, v, pos, bias), more))
-            o = pos.argsort(stable=True)
-            heads.append((k[o], v[o], pos[o], bias[o]))
+            order = pos.argsort(stable=True)
+            heads.append((k[order], v[order], pos[order], bias[order]))
         layers.append(LayerCache.pack(heads))                                 # (1, 1, Σ_g S_g, ·)
     return Cache(layers, full.next_pos, full.last_logits)
 
@@ -965,13 +1009,14 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
         steps = memo or context                                               # budget-independent
-        cx = steps(model, full, flow, s.window, s, f)
-        cx = replace(cx, units=replace(cx.units, hole=cx.units.hole.clone()))  # this call's holes
+        ctx = steps(model, full, flow, s.window, s, f)
+        # this call's holes
+        ctx = replace(ctx, units=replace(ctx.units, hole=ctx.units.hole.clone()))
         # B_total − U·r (eq. 2)
-        spare = len(cx.omega) * (budget - s.window)
-        floor = f.floor(cx, int(s.floor_frac * (budget - s.window)))          # B_floor
-        plan = (budget_flow or allocate_prefetched)(cx, spare - floor)        # B_alloc
-        out = assemble(cx, full, plan)
+        spare = len(ctx.omega) * (budget - s.window)
+        floor = f.floor(ctx, int(s.floor_frac * (budget - s.window)))          # B_floor
+        plan = (budget_flow or allocate_prefetched)(ctx, spare - floor)        # B_alloc
+        out = assemble(ctx, full, plan)
     return (out, plan) if return_plan else out
 
 
@@ -990,6 +1035,8 @@ class GraceKV(polykv.Method):
     settings: Optional[Settings] = None
     formulas: Optional[Formulas] = None
     memo: Optional[Callable] = None
+    # `allocate` (the paper's loop) or None: `allocate_prefetched`, the same actions faster
+    budget_flow: Optional[Callable] = None
 
     def __post_init__(self):
         if self.budget < 1:
@@ -1003,7 +1050,7 @@ class GraceKV(polykv.Method):
     def compress(self, model, full: Cache, obs: polykv.Observation) -> Cache:
         flow = flow_of(obs, self.settings.window)
         return compress(model, full, flow, self.budget, self.settings,
-                        formulas=self.formulas, memo=self.memo)
+                        formulas=self.formulas, memo=self.memo, budget_flow=self.budget_flow)
 
     @torch.no_grad()
     def prefill(self, model, tokens) -> Cache:                   # T <= B: FullKV, no observation

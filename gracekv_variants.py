@@ -1,7 +1,8 @@
 """GraceKV's other rows: this project's earlier reading of the paper (before its equations were
 at hand) and its ablations, each a drop-in for one step of `gracekv.Formulas` or a change of
 `gracekv.Settings`. The table `VARIANTS` names them and `variant` builds one; none is the method
-called `gracekv`, whose formulas are in gracekv.py. docs/gracekv.md has each one's figures."""
+called `gracekv`, whose formulas are in gracekv.py. docs/gracekv.md has each one's figures
+(the earlier rounds: docs/history.md)."""
 from __future__ import annotations
 
 import ast
@@ -15,7 +16,7 @@ from support.errors import UsageError
 
 def key_post(span) -> torch.Tensor:
     """Variant: k̃ = mean_t k_t of the post-RoPE keys, so q·k̃ = mean_t q·k_t for every q."""
-    return span.rows(span.cx.k).sum(1) / span.nf[:, None]
+    return span.rows(span.units.k).sum(1) / span.nf[:, None]
 
 
 def multiplicity_n(span) -> torch.Tensor:
@@ -35,7 +36,7 @@ def multiplicity_fit(span) -> torch.Tensor:
 
 def beta_global(span, beta: float) -> torch.Tensor:
     """Variant (the first reading): one β = beta·mean over the context of R_t = beta/Tc."""
-    return torch.full_like(span.nf, beta / span.cx.Tc)
+    return torch.full_like(span.nf, beta / span.units.Tc)
 
 
 def greedy_slots(b: torch.Tensor, Tc: int, s) -> list:
@@ -43,18 +44,18 @@ def greedy_slots(b: torch.Tensor, Tc: int, s) -> list:
     slots, a = [], 0
     while Tc - a > s.slot_max:
         hi = min(a + s.slot_max, Tc - s.slot_min)
-        c = a + s.slot_min + int(b[a + s.slot_min:hi + 1].argmax())
-        slots.append((a, c))
-        a = c
+        cut = a + s.slot_min + int(b[a + s.slot_min:hi + 1].argmax())
+        slots.append((a, cut))
+        a = cut
     return slots + ([(a, Tc)] if Tc > a else [])
 
 
 @dataclass(frozen=True)
 class DenseFlow(GK.ValueFlow):
     """Variant (the first reading): the value flow spread densely through every query row of its
-    own layer in the same pass, x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i] for k = 1..hops (query rows come
-    in descending chunks, so row j's x^{k−1} is complete when its chunk arrives); x (hops+1, G,
-    T)."""
+    own layer in the same pass, x^k_i = Σ_{j≥i} x^{k−1}_j Ā[j, i] for k = 1..hops (query
+    rows come in descending chunks, so row j's x^{k−1} is complete when its chunk arrives);
+    x (hops+1, G, T)."""
     hops: int = 2
 
     def lowest(self, T: int, layer: int) -> int:      # every query row
@@ -66,7 +67,7 @@ class DenseFlow(GK.ValueFlow):
     def spread(self, x, seed, c0: int, c1: int, A):
         prev = seed[c0:c1].expand(A.shape[0], -1)                    # (G, c)
         for k in range(self.hops + 1):
-            x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]             # x^k += x^{k−1}[rows] Ā[rows]
+            x[k, :, :c1] += (prev[:, None, :] @ A)[:, 0]       # x^k += x^{k−1}[rows] Ā[rows]
             prev = x[k, :, c0:c1]
 
     def merge(self, other: GK.ValueFlow) -> "DenseFlow":
@@ -75,8 +76,8 @@ class DenseFlow(GK.ValueFlow):
 
 
 def dense_hops(model, full, flow, s_hat, s):
-    """Variant (the first reading): d̂ per unit = normalised Σ_k decay^(k−1)·x^k of `DenseFlow`;
-    seeds: the top of the mean ŝ, for the floor."""
+    """Variant (the first reading): d̂ per unit = normalised Σ_k decay^(k−1)·x^k of
+    `DenseFlow`; seeds: the top of the mean ŝ, for the floor."""
     Tc = s_hat.shape[1]
     x = torch.stack(flow.flow)[..., :Tc]                             # (L, hops+1, G, Tc)
     hops = x.shape[1] - 1
@@ -94,10 +95,10 @@ def shared_relevance(model, full, flow, Tc: int, s, f):
     return R.mean(0).expand_as(R), s_hat, seeds
 
 
-def extract_hole(cx, u, a, b, free, within):
+def extract_hole(ctx, u, a, b, free, within):
     """Variant (the first reading): the token of highest ŝ leaves, the node minus it stands for
     the rest (the token a hole of the unit, as every extracted token): cost 1."""
-    t = a + cx.sal[u[:, None], within].masked_fill(~free, float("-inf")).argmax(1)
+    t = a + ctx.sal[u[:, None], within].masked_fill(~free, float("-inf")).argmax(1)
     return t, [(a, b, t), (t, t + 1, torch.full_like(a, -1))]
 
 
@@ -108,44 +109,44 @@ def split_gain_mass(omega, R_v, D_v, children) -> torch.Tensor:
     return omega * (R_v * D_v - (children.R * children.D).sum(0))
 
 
-def rank_with_lookahead(cx, plan) -> dict:
+def rank_with_lookahead(ctx, plan) -> dict:
     """Variant (ours, not the paper's): an add ranked by max(Δ_add, (Δ_add + Δ_split(root))/(1 +
     cost_split)), so a slot whose mass sits on one token competes with the extraction behind its
     poor root; the paper corrects this myopia with the floor instead."""
-    GK.best_splits(cx, plan, [i for i in plan.add_gain if plan.nodes[i].n > 1])
+    GK.best_splits(ctx, plan, [i for i in plan.add_gain if plan.nodes[i].n > 1])
     rank = dict(plan.add_gain)
-    for i, g in plan.add_gain.items():
+    for i, gain in plan.add_gain.items():
         if i in plan.split:
-            sg, sc = plan.split[i].gain, plan.split[i].cost
-            rank[i] = max(g, (g + sg) / (1 + sc))                       # gain per entry of both
+            split = plan.split[i]
+            rank[i] = max(gain, (gain + split.gain) / (1 + split.cost))   # gain per entry of both
     return rank
 
 
-def hop_order_floor(cx, per_unit: int) -> int:
+def hop_order_floor(ctx, per_unit: int) -> int:
     """Variant (this project's earlier floor): the first min(per_unit, |seeds|) seeds in hop
     order (hop 0 by the mean first hop s̄, then each hop's, best first), the same tokens in
     every unit."""
-    f = cx.seeds[:max(per_unit, 0)]
-    if f:
-        cx.units.hole[:, torch.tensor(f, device=cx.units.hole.device)] = True
-    return cx.units.hole.shape[0] * len(f)
+    floor = ctx.seeds[:max(per_unit, 0)]
+    if floor:
+        ctx.units.hole[:, torch.tensor(floor, device=ctx.units.hole.device)] = True
+    return ctx.units.hole.shape[0] * len(floor)
 
 
-def row_floor(cx, per_unit: int) -> int:
+def row_floor(ctx, per_unit: int) -> int:
     """Variant (the first reading): at most U·per_unit entries; layer l's G heads each keep their
     f_l highest-R_t tokens exact (ties to the later token); the f_l from one ranking of "one more
     floor token in every head of layer l", worth Σ_heads ω_j·R_j,(f_l+1) for G entries."""
-    Tc, G = cx.Tc, cx.G
+    Tc, G = ctx.Tc, ctx.G
     # (U, Tc) per unit
-    R, order = cx.units.R[:, :Tc].flip(-1).sort(dim=-1, descending=True, stable=True)
-    row = (cx.omega[:, None] * R).view(-1, G, Tc).sum(1)                 # (L, Tc) non-increasing
+    R, order = ctx.units.R[:, :Tc].flip(-1).sort(dim=-1, descending=True, stable=True)
+    row = (ctx.omega[:, None] * R).view(-1, G, Tc).sum(1)                # (L, Tc) non-increasing
     # prefixes
     top = row.reshape(-1).sort(descending=True, stable=True).indices[:per_unit * row.shape[0]]
     # (U,) f_l per head
     f = torch.bincount(top // Tc, minlength=row.shape[0]).repeat_interleave(G)
     keep = torch.arange(Tc, device=f.device) < f[:, None]                # (U, Tc) the first f_l
     u = torch.arange(len(f), device=f.device)[:, None].expand(-1, Tc)
-    cx.units.hole[u[keep], Tc - 1 - order[keep]] = True
+    ctx.units.hole[u[keep], Tc - 1 - order[keep]] = True
     return int(f.sum())
 
 
@@ -232,14 +233,14 @@ def of_kind(name: str, key: str, value, default):
     a bad value is one line before any model is loaded."""
     if isinstance(default, tuple):
         whole = all(isinstance(x, int) for x in default)
-        ok = isinstance(value, tuple) and len(value) > 0 \
+        fits = isinstance(value, tuple) and len(value) > 0 \
             and all(is_number(x, whole) for x in value)
         kind = f"a non-empty tuple of {'integers' if whole else 'numbers'}, e.g. {default}"
     else:
         whole = isinstance(default, int)
-        ok = is_number(value, whole)
+        fits = is_number(value, whole)
         kind = "an integer" if whole else "a number"
-    if not ok:
+    if not fits:
         raise UsageError(f"{name}: {key}={value!r} must be {kind}")
     return value
 

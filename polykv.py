@@ -2,9 +2,9 @@
 
 Implements the framework of Fei & Kalnis, "PolyKV: Heterogeneous Retention and Allocation for
 KV Cache Compression" (arXiv 2606.15157, 2026; its later version "Exploring a Layer-Wise Design
-Space for KV Cache Eviction"): a *policy* Π assigns every layer l and phase φ ∈ {prefill, decode}
-an eviction rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B, built offline
-(calibrate.py) and then only executed. Read top to bottom:
+Space for KV Cache Eviction"): a *policy* Π assigns every layer l and phase
+φ ∈ {prefill, decode} an eviction rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B,
+built offline (calibrate.py) and then only executed. Read top to bottom:
 
  1. The framework (the paper's hooks: pre-kernel, post-kernel, cache update; model.Hooks). Every
     compression method is a `Method`: it says what it must observe during the one shared
@@ -87,8 +87,10 @@ class Needs:
     # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
     repeat: tuple = ()
     surprisal: bool = False  # −log p of each prompt token (model.surprisal; GraceKV's boundaries)
-    # every statistic some layer reads
-    used = property(lambda self: frozenset().union(*self.stats))
+    @property
+    def used(self) -> frozenset:
+        """Every statistic some layer reads."""
+        return frozenset().union(*self.stats)
 
 
 # which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
@@ -158,8 +160,8 @@ class Method:
         return self.compress(model, full, obs)
 
 
-def observe_layer_naive(q, q_pos, lc, names, window: int, chunk: int = 0, extra=(),
-                        layer: int = 0):
+def observe_layer_naive(q, q_pos, lc, names, window: int, chunk: int = 0,
+                        extra=(), layer: int = 0):
     """Every requested statistic of one layer from its whole attention matrix, the naive form:
     A (B, H, T, T) = model.attention_probs of the prompt's queries q (B, H, T, D) over its fresh
     cache lc, then the column sums, the window sums and the last row, and each extra statistic
@@ -173,7 +175,7 @@ def observe_layer_naive(q, q_pos, lc, names, window: int, chunk: int = 0, extra=
     if "colsum" in names:
         out["colsum"] = A.sum(2)                                           # Σ_{all i} A[h,i,j]
     if "window" in names:
-        out["window"] = A[:, :, T - min(window, T):].sum(2)                # Σ_{i ≥ T−w} A[h,i,j]
+        out["window"] = A[:, :, T - min(window, T):].sum(2)              # Σ_{i ≥ T−w} A[h,i,j]
     if "last" in names:
         out["last"] = A[:, :, -1]                                          # A[h,T−1,j]
     values = {}
@@ -213,11 +215,11 @@ def observe(model, tokens, needs: Needs, spy=None, layer_pass=observe_layer):
         if spy is not None:
             spy(layer, q, q_pos, lc, out)
 
-    final = (
-        (lambda h: setattr(obs, "surprisal", M.surprisal(model, h, tokens)))
-        if needs.surprisal
-        else None
-    )
+    def final(h):                                 # the final norm's output (B, T, dim)
+        obs.surprisal = M.surprisal(model, h, tokens)
+
+    if not needs.surprisal:
+        final = None
     hooks = (
         Hooks(post_kernel=post_kernel, final=final)
         if any(per_layer) or needs.extra or spy or final

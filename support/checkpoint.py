@@ -155,11 +155,14 @@ class Tokenizer:
         # [{"name": "default", "template": ...}, ...]
         if isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}["default"]
-        special = lambda k: (
-            (self.config.get(k) or {}).get("content")
-            if isinstance(self.config.get(k), dict)
-            else self.config.get(k)
-        )
+
+        def special(k):
+            """The special token `k` of the config: its text, or its "content" if a dict."""
+            return (
+                (self.config.get(k) or {}).get("content")
+                if isinstance(self.config.get(k), dict)
+                else self.config.get(k)
+            )
 
         def raise_exception(message):
             raise UsageError(f"chat template: {message}")

@@ -23,7 +23,7 @@ def values(rows: list) -> dict:
     later questions (rows with turn >= 1) go to "TASK later" and "answer later", their mean per
     prompt (the bootstrap resamples prompts, not questions that share a context), and the
     prompt's first minus that mean to "TASK spread" and "answer spread" (multi-question reuse)."""
-    acc, later = {}, {}
+    measured, later = {}, {}
     for r in rows:
         turn = r.get("turn", 0)
         prompt = (r["task"], r["length"], r["index"])
@@ -34,7 +34,7 @@ def values(rows: list) -> dict:
                     prompt, []
                 ).append(v)
             else:
-                acc.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
+                measured.setdefault((r["method"], r["budget"], task, metric), {})[prompt] = v
         if r["task"] == "fidelity":
             for m in ("kl", "dnll", "top1"):
                 put("fidelity", m, r[m])
@@ -53,12 +53,12 @@ def values(rows: list) -> dict:
             put("time", "compress_s", r["compress_s"])
     # one value per prompt: its later questions' mean
     for (m, b, task, metric), per in later.items():
-        first = acc.get((m, b, task, metric), {})
-        acc[(m, b, task + " later", metric)] = {p: sum(v) / len(v) for p, v in per.items()}
-        acc[(m, b, task + " spread", metric)] = {
+        first = measured.get((m, b, task, metric), {})
+        measured[(m, b, task + " later", metric)] = {p: sum(v) / len(v) for p, v in per.items()}
+        measured[(m, b, task + " spread", metric)] = {
             p: first[p] - sum(v) / len(v) for p, v in per.items() if p in first
         }
-    return acc
+    return measured
 
 
 def aligned(per: dict) -> tuple:
@@ -102,16 +102,16 @@ def against(rows: list, ref: str, names, budgets, ruler_tasks) -> list:
     """From per-sample rows: each method minus `ref` per budget and headline metric, over the
     prompts both have, with its paired 95 % bootstrap interval — an ablation read against the
     method it ablates. Returns dicts {budget, label, diffs: [(method, diff, lo, hi)]}."""
-    acc = values(rows)
+    measured = values(rows)
     out = []
     for b in budgets:
-        for task, metric, label in headline_metrics(ruler_tasks, [k[2:] for k in acc]):
-            base = acc.get((ref, b, task, metric))
+        for task, metric, label in headline_metrics(ruler_tasks, [k[2:] for k in measured]):
+            base = measured.get((ref, b, task, metric))
             if base is None:
                 continue
             diffs = []
             for m in names:
-                other = acc.get((m, b, task, metric))
+                other = measured.get((m, b, task, metric))
                 if m == ref or other is None:
                     continue
                 _, X = aligned({ref: base, m: other})
@@ -153,12 +153,18 @@ def versus_table(rows: list, ref: str, names, budgets, ruler_tasks, length=None)
     got = against(rows, ref, names, budgets, ruler_tasks)
     labels = list(dict.fromkeys(d["label"] for d in got))
     cols = [m for m in names if any(m == x[0] for d in got for x in d["diffs"])]
-    num = lambda x: f"{x:+.2f}".replace("-", "−")
-    cell = lambda v: (
-        ""
-        if v is None
-        else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (" tie" if v[1] <= 0 <= v[2] else "")
-    )
+
+    def num(x):
+        """x signed, 2 decimals, with a typographic minus: '+0.12', '−0.03'."""
+        return f"{x:+.2f}".replace("-", "−")
+
+    def cell(v):
+        """A (difference, lo, hi) as 'd [lo, hi]', ' tie' when the interval holds 0; '' if None."""
+        return (
+            ""
+            if v is None
+            else f"{num(v[0])} [{num(v[1])}, {num(v[2])}]" + (" tie" if v[1] <= 0 <= v[2] else "")
+        )
     lines = ["| measure | budget | " + " | ".join(cols) + " |", "|---" * (len(cols) + 2) + "|"]
     # measure by measure (stable)
     for d in sorted(got, key=lambda d: labels.index(d["label"])):
@@ -173,12 +179,12 @@ def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
     aside) and every other method minus it over the prompts all share, paired 95 % bootstrap
     interval; the methods whose interval contains 0 tie the leader. Returns dicts {budget,
     label, n, top, mean, ties, behind}, ties and behind [(method, diff, lo, hi)] best first."""
-    acc = values(rows)
+    measured = values(rows)
     out = []
     for b in budgets:
-        for task, metric, label in headline_metrics(ruler_tasks, [k[2:] for k in acc]):
-            prompts, X = aligned({m: acc[(m, b, task, metric)] for m in names
-                                  if m not in skip and (m, b, task, metric) in acc})
+        for task, metric, label in headline_metrics(ruler_tasks, [k[2:] for k in measured]):
+            prompts, X = aligned({m: measured[(m, b, task, metric)] for m in names
+                                  if m not in skip and (m, b, task, metric) in measured})
             if len(X) < 2:
                 continue
             sign = -1 if metric in LOWER_IS_BETTER else 1
@@ -198,7 +204,9 @@ def leading(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
 
 def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
     """`leading` as one line per budget and headline metric: the leader, its ties, the rest."""
-    diffs = lambda xs: "; ".join(f"{m} {d:+.4g} [{lo:+.4g}, {hi:+.4g}]" for m, d, lo, hi in xs)
+    def diffs(xs):
+        """[(method, diff, lo, hi)] as 'method +d [lo, hi]; ...'."""
+        return "; ".join(f"{m} {d:+.4g} [{lo:+.4g}, {hi:+.4g}]" for m, d, lo, hi in xs)
     return [f"B = {d['budget']}, {d['label']} (n = {d['n']}): {d['top']} {d['mean']:.4g} "
             + ("leads" if not d["ties"] else "ties " + diffs(d["ties"]))
             + (" | behind: " + diffs(d["behind"]) if d["behind"] else "")
@@ -214,12 +222,15 @@ def leaders_table(rows: list, names, budgets, ruler_tasks, length=None, skip=("f
     lines = ["| measure | " + " | ".join(head) + " |", "|---" * (len(budgets) + 1) + "|"]
     for label in dict.fromkeys(d["label"] for d in got):
         by = {d["budget"]: d for d in got if d["label"] == label}
-        cell = lambda d: (
-            ""
-            if d is None
-            else f"{d['top']} {d['mean']:.3g}"
-            + ("; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone")
-            + f" (n = {d['n']})"
-        )
+
+        def cell(d):
+            """A `leading` dict as 'leader mean; its ties (n = prompts)'; '' if None."""
+            return (
+                ""
+                if d is None
+                else f"{d['top']} {d['mean']:.3g}"
+                + ("; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone")
+                + f" (n = {d['n']})"
+            )
         lines.append(f"| {label} | " + " | ".join(cell(by.get(b)) for b in budgets) + " |")
     return "\n".join(lines)

@@ -20,15 +20,15 @@ def causal_probs(q, k, c0: int) -> torch.Tensor:
     Tested against it."""
     B, H, c, D = q.shape
     G, c1 = k.shape[1], k.shape[2]
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     # one (g·c, D) x (D, c1) product per KV group: the keys are never broadcast to g copies
     # (a loop of 2-D products: faster on CPU than one batched product over transposed keys)
-    qg = (q.to(acc) / math.sqrt(D)).reshape(B, G, H // G * c, D)             # (B, G, g·c, D)
-    kk = k.to(acc)
-    logits = qg.new_empty(B, G, H // G, c, c1)                               # (B, G, g, c, c1)
+    q_grouped = (q.to(dtype) / math.sqrt(D)).reshape(B, G, H // G * c, D)    # (B, G, g·c, D)
+    keys = k.to(dtype)
+    logits = q_grouped.new_empty(B, G, H // G, c, c1)                        # (B, G, g, c, c1)
     for b in range(B):
-        for gi in range(G):
-            torch.mm(qg[b, gi], kk[b, gi].T, out=logits[b, gi].view(-1, c1))
+        for group in range(G):
+            torch.mm(q_grouped[b, group], keys[b, group].T, out=logits[b, group].view(-1, c1))
     tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)       # j > i: the future
     logits[..., c0:].masked_fill_(tri, float("-inf"))
     return torch.softmax(logits, dim=-1).view(B, H, c, c1)
@@ -53,12 +53,12 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
         else min(
             [T - 1]
             + [T - min(window, T)] * ("window" in names)
-            + [st.lowest(T, layer) for _, st in extra]
+            + [statistic.lowest(T, layer) for _, statistic in extra]
         )
     )
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    out = {k: q.new_zeros(B, H, T, dtype=acc) for k in names if k != "last"}
-    state = {name: st.begin(q, lc, layer) for name, st in extra}
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    out = {k: q.new_zeros(B, H, T, dtype=dtype) for k in names if k != "last"}
+    state = {name: statistic.begin(q, lc, layer) for name, statistic in extra}
     for c1 in range(T, lowest, -chunk):
         c0 = max(lowest, c1 - chunk)
         p = causal_probs(q[:, :, c0:c1], lc.k[:, :, :c1], c0)        # (B, H, c, c1)
@@ -68,6 +68,6 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
             out["window"][..., :c1] += p[:, :, max(0, T - window - c0):].sum(2)   # Σ_{i ≥ T−w}
         if "last" in names and c1 == T:
             out["last"] = F.pad(p[:, :, -1], (0, T - c1))            # A[h,T−1,j]
-        for name, st in extra:
-            st.add(state[name], c0, c1, p)
-    return out, {name: st.end(state[name]) for name, st in extra}
+        for name, statistic in extra:
+            statistic.add(state[name], c0, c1, p)
+    return out, {name: statistic.end(state[name]) for name, statistic in extra}

@@ -97,8 +97,8 @@ def prefetched_flow(plan, heap: list, B_alloc: int, evaluate, prefetch: int):
         walk = [c for c in first if nodes[c].n > 1 and c in plan.split]
         while walk:
             c = walk.pop()
-            g, cost, kids = plan.split[c]
-            if g / cost >= tau:
+            gain, cost, kids = plan.split[c]
+            if gain / cost >= tau:
                 out += entering("split", c)
                 walk += [k for k in kids if nodes[k].n > 1 and k in plan.split]
         return out
@@ -128,7 +128,7 @@ def prefetched_flow(plan, heap: list, B_alloc: int, evaluate, prefetch: int):
         plan.frontier.update(kids)
         for c in kids:
             if nodes[c].n > 1:
-                sg, sc, _ = plan.split[c]
+                child_split = plan.split[c]
                 tie += 1
-                heapq.heappush(heap, (-sg / sc, tie, "split", c))
+                heapq.heappush(heap, (-child_split.gain / child_split.cost, tie, "split", c))
     return plan

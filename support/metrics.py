@@ -52,7 +52,9 @@ def _lcs(x: list, y: list) -> list:
     out, i, j = [], len(x), len(y)
     while i and j:
         if x[i - 1] == y[j - 1]:
-            out.append(x[i - 1]); i -= 1; j -= 1
+            out.append(x[i - 1])
+            i -= 1
+            j -= 1
         elif t[i - 1][j] > t[i][j - 1]:
             i -= 1
         else:
@@ -67,11 +69,16 @@ def rouge_score(prediction: str, ground_truth: str, **_) -> float:
     (exclusive=True): m = |words(ref)|, n = |words(hyp)|, L = |∪_{r,h} LCS(r, h)|,
     R = L/m, P = L/n, F = 2PR/(P + R + 1e-8). An empty side makes `rouge` raise; LongBench then
     scores 0. For one sentence without repeated words this is the plain LCS F1."""
-    sents = lambda s: [" ".join(p.split()) for p in s.split(".") if len(p) > 0]
+    def sents(s):
+        """The sentences of s (split at '.'), whitespace runs made single spaces."""
+        return [" ".join(p.split()) for p in s.split(".") if len(p) > 0]
     hyp, ref = sents(prediction), sents(ground_truth)
     if not hyp or not ref:
         return 0.0
-    words = lambda ss: {w for s in ss for w in s.split(" ")}
+
+    def words(ss):
+        """The set of words of the sentences ss."""
+        return {w for s in ss for w in s.split(" ")}
     union = set()
     for r in ref:
         for h in hyp:

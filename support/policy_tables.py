@@ -12,7 +12,9 @@ def table(policy) -> str:
             + " ".join(f"{'dcos.' + ab[r]:>9}" for r in dpool) + f" {'ΔPPLmax':>8}")
     rows = [head]
     for l, lp in enumerate(policy.layers):
-        worst = lambda ph: max(d[l] for d in sig[ph]["dppl"].values())
+        def worst(ph):
+            """Layer l's largest ΔPPL over the pool in phase ph."""
+            return max(d[l] for d in sig[ph]["dppl"].values())
         rows.append(
             f"{l:>5} {lp.prefill.rule:>9} {lp.prefill.budget:>5} {lp.decode.rule:>9} "
             f"{lp.decode.budget:>5} "

@@ -68,15 +68,18 @@ def cut(full, obs, needs, a: int, b: int):
         LayerCache(lc.k[:, :, a:b], lc.v[:, :, a:b], lc.pos[:, :, a:b], lc.bias[:, :, a:b])
         for lc in full.layers
     ]
-    sliced = lambda x: x[..., a:b] if hasattr(x, "shape") and x.shape[-1] == T else x
+
+    def sliced(x):
+        """A per-key statistic (..., T) over keys a..b−1 alone; anything else as it is."""
+        return x[..., a:b] if hasattr(x, "shape") and x.shape[-1] == T else x
     stats = [{n: sliced(x) for n, x in d.items()} for d in obs.stats]
     extra = {}
-    for name, st in needs.extra:
-        if not hasattr(st, "cut"):
+    for name, statistic in needs.extra:
+        if not hasattr(statistic, "cut"):
             raise UsageError(
                 f"statistic {name!r} cannot be cut to the context (it has no cut method)"
             )
-        extra[name] = [st.cut(v, a, b) for v in obs.extra[name]]
+        extra[name] = [statistic.cut(v, a, b) for v in obs.extra[name]]
     surprisal = None if obs.surprisal is None else obs.surprisal[:, a:b]
     return Cache(layers, full.next_pos, full.last_logits), type(obs)(
         stats, extra, dict(obs.seconds), surprisal, first=a
@@ -93,26 +96,31 @@ def join(full, comp, a: int, b: int, question: bool = True):
     Cache, LayerCache = type(full), type(full.layers[0])
     end = full.layers[0].size if question else b
     layers = []
-    for f, c in zip(full.layers, comp.layers):
-        if c.head is None:                                                    # dense (B, G, S)
-            around = lambda x, fx: torch.cat((fx[:, :, :a], x, fx[:, :, b:end]), 2)
+
+    def around(x, full_x):
+        """The compressed context x (B, G, S) between the exact prefix and question of full_x."""
+        return torch.cat((full_x[:, :, :a], x, full_x[:, :, b:end]), 2)
+    for exact, kept in zip(full.layers, comp.layers):       # a layer of `full`, of `comp`
+        if kept.head is None:                                                 # dense (B, G, S)
             acc = (
                 None
-                if c.acc is None
-                else around(c.acc, torch.zeros_like(f.bias, dtype=c.acc.dtype))
+                if kept.acc is None
+                else around(kept.acc, torch.zeros_like(exact.bias, dtype=kept.acc.dtype))
             )
             layers.append(
-                LayerCache(around(c.k, f.k), around(c.v, f.v), around(c.pos, f.pos),
-                           around(c.bias, f.bias), acc)
+                LayerCache(around(kept.k, exact.k), around(kept.v, exact.v),
+                           around(kept.pos, exact.pos), around(kept.bias, exact.bias), acc)
             )
         else:                                                                 # ragged, batch 1
             heads = []
-            for g in range(f.k.shape[1]):
-                mine = c.head[0, 0] == g
+            for g in range(exact.k.shape[1]):
+                mine = kept.head[0, 0] == g
+                pairs = ((exact.k, kept.k), (exact.v, kept.v), (exact.pos, kept.pos),
+                         (exact.bias, kept.bias))
                 heads.append(
                     tuple(
-                        torch.cat((fx[0, g, :a], cx[0, 0, mine], fx[0, g, b:end]))
-                        for fx, cx in ((f.k, c.k), (f.v, c.v), (f.pos, c.pos), (f.bias, c.bias))
+                        torch.cat((full_x[0, g, :a], comp_x[0, 0, mine], full_x[0, g, b:end]))
+                        for full_x, comp_x in pairs
                     )
                 )
             layers.append(LayerCache.pack(heads))

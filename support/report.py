@@ -30,12 +30,13 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
     that is not the best of the `baselines` (the standalone rules, evaluate.baselines()) at its
     (budget, task, metric) also gets `vs_best` {rule, diff, ci_low, ci_high, tie}; each of
     `gap_methods` (the PolyKV rows) gets task `gap` (gap recovered)."""
-    acc = values(rows)
+    measured = values(rows)
     out = []
-    groups = sorted({k[1:] for k in acc})
+    groups = sorted({k[1:] for k in measured})
     for budget, task, metric in groups:
         prompts, X = aligned(
-            {m: acc[(m, budget, task, metric)] for m in names if (m, budget, task, metric) in acc}
+            {m: measured[(m, budget, task, metric)] for m in names
+             if (m, budget, task, metric) in measured}
         )
         if not prompts:
             continue
@@ -224,7 +225,12 @@ def ratio_length(config: dict):
     return max(lengths) if one else None
 
 
-def plot(summary, names, out, family=lambda n: n.split("-")[0], length=None):
+def name_prefix(name: str) -> str:
+    """A method's name up to its first '-' ('gracekv-hole' -> 'gracekv'): plot's default family."""
+    return name.split("-")[0]
+
+
+def plot(summary, names, out, family=name_prefix, length=None):
     """budget_vs_score.png in out: fidelity KL and answer ΔNLL against the budget (or, given the
     prompt `length`, the compression ratio length / budget), per method, with the 95 % interval
     as a band (`styles`); one row of panels per protocol in the summary, a panel per measure the

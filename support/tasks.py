@@ -85,8 +85,11 @@ def source_text(split: str) -> str:
     ever seen while calibrating. reST heading underlines (`*****`, `=====`) are dropped."""
     from pydoc_data.topics import topics
     keys = sorted(topics)
-    clean = lambda ks: re.sub(r"(?m)^[ \t]*([*=\-~^])\1{2,}[ \t]*\n", "",
-                              "\n\n".join(topics[k].strip() for k in ks))
+
+    def clean(ks):
+        """The topics ks joined by blank lines, reST heading underlines dropped."""
+        return re.sub(r"(?m)^[ \t]*([*=\-~^])\1{2,}[ \t]*\n", "",
+                      "\n\n".join(topics[k].strip() for k in ks))
     test = clean(keys[0::2])
     if split == "test":
         return test
@@ -405,7 +408,10 @@ def vt(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     example, example_vars, _ = _vt_chain(rng, 3)
     shot = example(VT_EXAMPLE_WORDS) + " " + " ".join(example_vars) + "\n"
     text, names, (pre, question) = _vt_chain(rng, 5)
-    build = lambda n: (shot + "\n" + text(n), names, " ".join(names), (shot + "\n" + pre, question))
+
+    def build(n):
+        """(prompt, answers, answer text, (prompt before the question, question)) at size n."""
+        return shot + "\n" + text(n), names, " ".join(names), (shot + "\n" + pre, question)
     return _sample("vt", index, tok, target, build, "string_match_all", 30)
 
 
@@ -461,7 +467,10 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     (n_ex, ex_cw, ex_ucw), (cw, ucw) = (
         ((20, 3, 1), (6, 1)) if target < 4096 else ((40, 10, 3), (30, 3))
     )
-    numbered = lambda ws: " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))
+
+    def numbered(ws):
+        """The words ws as '1. w 2. w ...'."""
+        return " ".join(f"{i + 1}. {w}" for i, w in enumerate(ws))
 
     def listing(words, f_cw, f_ucw, shuffle_seed):
         listed = words[:10] * f_cw + words[10:] * f_ucw
@@ -471,8 +480,11 @@ def cwe(tok, target: int, seed: int = 0, index: int = 0) -> Sample:
     shot = listing(ex_words, ex_cw, ex_ucw, rng.random()) + " " + numbered(ex_words[:10])
     order, shuffle_seed = rng.sample(pool, len(pool)), rng.random()
     pre, question = around(CWE_TEMPLATE)
-    build = lambda n: (shot + "\n" + listing(order[:n], cw, ucw, shuffle_seed), order[:10],
-                       " " + numbered(order[:10]), (shot + "\n" + pre, question))
+
+    def build(n):
+        """(prompt, answers, answer text, (prompt before the question, question)) at n words."""
+        return (shot + "\n" + listing(order[:n], cw, ucw, shuffle_seed), order[:10],
+                " " + numbered(order[:10]), (shot + "\n" + pre, question))
     return _sample(
         "cwe", index, tok, target, build, "string_match_all", 120, n_min=10, n_max=len(pool)
     )
@@ -489,7 +501,9 @@ def reconstruction_prompt(tok) -> tuple:
     """KVzip's reconstruction prompt as ids (kvpress `KVzipPress.prepare`): the instruction for
     the first chunk, the one for later chunks, and the suffix (the chat template's text after
     the user turn; a newline for a tokenizer without one)."""
-    enc = lambda t: tuple(tok.encode(t, add_special_tokens=False))
+    def enc(t):
+        """The ids of text t, no special tokens added."""
+        return tuple(tok.encode(t, add_special_tokens=False))
     suffix = "\n"
     if getattr(tok, "has_chat_template", False):
         mark = "dummy context\n" + "#" * 13

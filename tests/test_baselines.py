@@ -35,8 +35,8 @@ def layer_inputs(m, x):
 @given(T=st.integers(8, 30), seed=st.integers(0, 3))
 def test_expected_scores_equal_naive_gaussian_estimate(T, seed):
     """μ, Σ from the pre-RoPE queries q_proj(x) past the sinks, R̄ = mean of cos·I + sin·P over
-    the next `future` positions (kvpress's matrix), score = softmax_j(μ'·k/√D + ½kᵀΣ'k/D) over
-    keys past the sinks, group mean, × ‖v‖; sinks kept."""
+    the next `future` positions (kvpress's matrix), score = softmax_j(μ'·k/√D + ½kᵀΣ'k/D)
+    over keys past the sinks, group mean, × ‖v‖; sinks kept."""
     m, x = tiny(seed), tokens(T, seed)
     cfg, n = m.config, SET.n_sink
     H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
@@ -109,8 +109,8 @@ def test_kvzip_scores_equal_naive_reconstruction(T, chunk, seed):
 
 
 def naive_headwise(scores, prot, budget, scope, alpha):
-    """Python: per (layer, head) protected and (with α) each head's top ⌊α·B⌋ (at least 1) first,
-    then the best (score, later layer, later head, later position) pairs of the layer (scope
+    """Python: per (layer, head) protected and (with α) each head's top ⌊α·B⌋ (at least 1)
+    first, then the best (score, later layer, later head, later position) pairs of the layer (scope
     layer) or of all layers (scope model) up to G·B per layer."""
     L, G, T = len(scores), *scores[0].shape
     key = {}

@@ -190,11 +190,11 @@ def test_headwise_kept_sets_agree_up_to_near_ties(name, seed):
 def test_gracekv_inputs_within_bf16_rounding(seed):
     """GraceKV's per-prompt quantities: relevance R, first hop ŝ (per unit, relative to the
     unit's largest) and head weights ω (relative to the largest) within τ, held in fp32."""
-    x, cx = tokens(seed), {}
+    x, contexts = tokens(seed), {}
     for m in pair(seed):
         full, flow = GK.observe(m, x[:, :T], GSET)
-        cx[m.dtype] = GK.context(m, full, flow, GSET.window, GSET)
-    a, b = cx[torch.float32], cx[torch.bfloat16]
+        contexts[m.dtype] = GK.context(m, full, flow, GSET.window, GSET)
+    a, b = contexts[torch.float32], contexts[torch.bfloat16]
     assert b.units.R.dtype == b.units.lg.dtype == b.omega.dtype == torch.float32
     Tc = T - GSET.window
     within(b.units.R[:, :Tc], a.units.R[:, :Tc], a.units.R[:, :Tc].abs().amax(-1, keepdim=True))

@@ -39,7 +39,8 @@ def texts(seed, n=2, lo=1, hi=50):
 # ----------------------------------------------------------------------------- allocation
 
 def waterfill_oracle(s, total, b_min, cap):
-    """Independent: b_l = min(cap, b_min + λ·s_l) with λ found by bisection (all s = 0: uniform)."""
+    """Independent: b_l = min(cap, b_min + λ·s_l) with λ found by bisection (all s = 0:
+    uniform)."""
     s = s if sum(s) > 0 else [1.0] * len(s)
     n_pos = sum(x > 0 for x in s)
     if n_pos * cap + (len(s) - n_pos) * b_min < total:      # signalled layers all at cap:
@@ -70,7 +71,8 @@ def test_allocate_invariants_and_formula(s, budget, f_min, f_cap):
                 assert b[i] >= b[j]
     want = waterfill_oracle(s, total, b_min, cap)
     assert all(abs(x - w) < 1 + 1e-6 for x, w in zip(b, want))
-    if max(want) < cap:   # no cap binds: exactly b_min + (L·B − L·b_min)·s_l/Σs up to rounding
+    # no cap binds: exactly b_min + (L·B − L·b_min)·s_l/Σs up to rounding
+    if max(want) < cap:
         ss = s if sum(s) > 0 else [1.0] * L
         assert all(
             abs(x - (b_min + (total - L * b_min) * v / sum(ss))) < 1 + 1e-6 for x, v in zip(b, ss)
@@ -112,7 +114,11 @@ def naive_probe(m, prompt, cont, layer, pre, dec):
     pol = C.probe_policy(m.config.n_layers, layer, pre, dec, B, SET)
     cache = P.prefill(m, prompt, pol)
     seen = []
-    spy = lambda l, q, q_pos, lc, out: seen.append(out) if l == layer else None
+
+    def spy(l, q, q_pos, lc, out):
+        """Keep the attention output of `layer`."""
+        if l == layer:
+            seen.append(out)
     dh = pol.decoder
     if dh is None:
         logits = m.step(cont, cache, M.Hooks(post_kernel=spy))
@@ -144,7 +150,10 @@ def test_signals_equal_naive_probes(seed):
     pairs = [(torch.tensor([p]), torch.tensor([c])) for p, c in tx]
     refs = [naive_reference(m, p, c) for p, c in pairs]
     count = len(tx) * (N - 1)
-    ppl = lambda nll: math.exp(nll / count)
+
+    def ppl(nll):
+        """PPL = exp(mean NLL)."""
+        return math.exp(nll / count)
     ppl_full = ppl(sum(r[2] for r in refs))
     tol = 2e-5 * ppl_full         # logits are fp32 (model.step), the rest fp64
     assert sig["ppl_full"] == pytest.approx(ppl_full, abs=tol)
@@ -199,7 +208,8 @@ SINK, LO_CUE = 1, 40      # token 1 opens every prompt; ids >= 40 appear only in
 def planted(seed, layer=1, a=6.0, gamma=2.0):
     """Layer `layer` attends from continuation tokens to position 0 only, while prompt queries
     avoid it: residual dims 0, 1 are written by the embedding only (sink flag, ±cue flag), and the
-    layer's RoPE pair (3, 7) (rotation ≈ 2e-4 rad per position) carries q·k = ±γ²·flag·flag."""
+    layer's RoPE pair (3, 7) (rotation ≈ 2e-4 rad per position) carries
+    q·k = ±γ²·flag·flag."""
     m = tiny(seed, bias=True)
     D, H, G = 8, 4, 2
     with torch.no_grad():

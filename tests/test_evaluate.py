@@ -102,7 +102,10 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(
     monkeypatch.setattr(E, "run_item", real)
     calls.clear()
     resumed = run(tiny_dir, tmp_path / "b", "--policy", str(policy_file))
-    timeless = lambda s: [r for r in s["rows"] if r["task"] != "time"]    # wall-clock rows differ
+
+    def timeless(summary):
+        """The summary's rows but the wall-clock ones, which differ from run to run."""
+        return [r for r in summary["rows"] if r["task"] != "time"]
     assert timeless(resumed) == timeless(whole) and len(timeless(whole)) < len(whole["rows"])
     lines = (tmp_path / "b" / "samples.jsonl").read_text().splitlines()
     # nothing done twice
@@ -247,13 +250,14 @@ def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, 
                       "--length", "8000", "--samples", "16", "--fidelity-length", "7936",
                       "--fidelity-samples", "16", "--greedy", "niah_single_1",
                       "--cache-dir", "results/long/policies"]),
-    ("results/gracekv-ablation-3", ["--split", "test", "--seed", "0", "--tasks", "niah_single_1",
-                                    "--length", "2048", "--budget", "64,128,512,1024",
-                                    "--fidelity-samples", "12", "--samples", "12",
-                                    "--fidelity-length", "1792", "--max-new-tokens", "24",
-                                    "--threads", "1", "--methods",
-                                    "full,snapkv,tova,pyramidkv,adakv,gracekv,"
-                                    "gracekv-nosurprisal"]),
+    ("results/gracekv-ablation/round-3", ["--split", "test", "--seed", "0",
+                                          "--tasks", "niah_single_1",
+                                          "--length", "2048", "--budget", "64,128,512,1024",
+                                          "--fidelity-samples", "12", "--samples", "12",
+                                          "--fidelity-length", "1792", "--max-new-tokens", "24",
+                                          "--threads", "1", "--methods",
+                                          "full,snapkv,tova,pyramidkv,adakv,gracekv,"
+                                          "gracekv-nosurprisal"]),
 ])
 def test_committed_results_take_their_documented_command(folder, argv):
     """The committed results/ folders hold no run.json: the command their README documents
@@ -310,10 +314,14 @@ def fake_rows(kl, score, n=6):
     return rows
 
 
+def spread(i):
+    """A fake KL of prompt i: the prompts differ a lot."""
+    return 0.1 + 0.05 * i
+
+
 def test_paired_bootstrap_known_cases():
     """Identical methods: a difference of exactly 0, a tie; a constant shift c: the difference
     interval is [c, c] (pairing removes the prompt-to-prompt spread); means and intervals."""
-    spread = lambda i: 0.1 + 0.05 * i                              # prompts differ a lot
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": spread,
           "polykv": lambda i: spread(i) - 0.02}
     score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 50 * (i % 2),
@@ -347,7 +355,6 @@ def test_paired_bootstrap_known_cases():
 def test_leaders_known_cases():
     """The leader is the best mean (FullKV aside); a method shifted by a constant is behind by
     exactly that (paired), one equal on average but noisy ties; lower is better for KL."""
-    spread = lambda i: 0.1 + 0.05 * i
     kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03,
           "h2o": lambda i: spread(i) + (0.02 if i % 2 else -0.02)}
     score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80,
@@ -501,9 +508,13 @@ def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
     assert [f.name for f in files] == ["samples.rank0.jsonl", "samples.rank1.jsonl"]
     keys = [json.loads(l)["key"] for f in files for l in f.read_text().splitlines()]
     assert len(keys) == len(set(keys)) == 6 * 6 and all(f.read_text() for f in files)
-    timeless = lambda d: [
-        x for x in json.loads((d / "summary.json").read_text())["rows"] if x["task"] != "time"
-    ]
+
+    def timeless(folder):
+        """The rows of folder's summary.json but the wall-clock ones."""
+        return [
+            x for x in json.loads((folder / "summary.json").read_text())["rows"]
+            if x["task"] != "time"
+        ]
     assert timeless(tmp_path / "two") == timeless(tmp_path / "one")
 
 
@@ -531,7 +542,6 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     """A method that is another plus a constant c on every prompt: difference c, interval [c, c];
     itself plus noise around 0 on alternate prompts: a tie. The CLI reads the rows beside the
     summary."""
-    spread = lambda i: 0.1 + 0.05 * i
     kl = {"gracekv": spread, "gracekv-hbar": lambda i: spread(i) + 0.03,
           "gracekv-unit": lambda i: spread(i) + (-1) ** i * 0.01}
     score = {"gracekv": lambda i: 50, "gracekv-hbar": lambda i: 50,
@@ -571,7 +581,6 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
 def test_before_is_each_method_minus_itself_in_another_run(tmp_path, capsys):
     """Two runs of the same prompts, the second every method's KL plus 0.02: each method minus
     itself before is +0.02 [+0.02, +0.02]; a method the other run lacks is left out."""
-    spread = lambda i: 0.1 + 0.05 * i
     before = fake_rows({"gracekv": spread, "gracekv-unit": spread},
                        {"gracekv": lambda i: 50, "gracekv-unit": lambda i: 50})
     after = fake_rows({"gracekv": lambda i: spread(i) + 0.02, "gracekv-hbar": spread},

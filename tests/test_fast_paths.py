@@ -5,6 +5,8 @@ statistics, the same kept sets and the same decoded logits; and GraceKV's budget
 splits evaluated ahead in batches (gracekv.allocate_prefetched, the default) against the
 paper's loop one node at a time (gracekv.allocate). Tiny random LLaMA in fp64, chunks of 5
 query rows so that every prompt takes several."""
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -115,3 +117,37 @@ def test_prefetched_budget_flow_equals_the_paper_loop(seed, variant):
             assert torch.equal(la.pos, lb.pos)
             torch.testing.assert_close(la.k, lb.k, rtol=1e-12, atol=1e-14)
             torch.testing.assert_close(la.bias, lb.bias, rtol=1e-12, atol=1e-14)
+
+
+def test_the_whole_pipeline_runs_on_the_naive_forms_alone():
+    """Every method that needs no calibration, and a mixed per-layer PolyKV policy, run end to
+    end on the naive forms alone (the explicit attention and concatenating appends,
+    `model.Llama(fast=False)`; each layer's statistics from its whole attention matrix,
+    `polykv.observe_layer_naive`; GraceKV's budget flow one node at a time, `gracekv.allocate`)
+    keep the same sets and decode the same logits, to rounding, as with every fast path on.
+    (KVzip's reconstruction pass has one form, tested against the naive reconstruction in
+    tests/test_baselines.py.)"""
+    fast_model, naive_model = tiny(4), tiny(4, fast=False)
+    assert not naive_model.fast and fast_model.fast
+    L = fast_model.config.n_layers
+    x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(4))
+    methods = {n: make(n, L) for n in NAMES}
+    rules = P.prefill_rules()
+    mixed = P.Policy([P.LayerPolicy((rules[l % len(rules)], BUDGET), ("append", 0))
+                      for l in range(L)], BUDGET, SET)
+    methods["polykv (mixed rules)"] = mixed
+    needs = P.union([meth.needs(fast_model) for meth in methods.values()], L)
+    full, fast = P.observe(fast_model, x[:, :T], needs)
+    full_naive, naive = P.observe(naive_model, x[:, :T], needs,
+                                  layer_pass=P.observe_layer_naive)
+    same_statistics(fast, naive)
+    for name, meth in methods.items():
+        slow = replace(meth, budget_flow=GK.allocate) if isinstance(meth, GK.GraceKV) else meth
+        a = meth.compress(fast_model, full, fast)
+        b = slow.compress(naive_model, full_naive, naive)
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.pos, lb.pos), name              # the same kept sets
+            torch.testing.assert_close(la.bias, lb.bias, rtol=1e-9, atol=1e-12)
+        la = M.decode(fast_model, x[:, T:], a.fork(), meth.decoder)
+        lb = M.decode(naive_model, x[:, T:], b.fork(), slow.decoder)
+        torch.testing.assert_close(la, lb, rtol=1e-8, atol=1e-10)

@@ -8,6 +8,7 @@ from hypothesis import given, strategies as st
 
 import gracekv as GK
 import gracekv_variants as V
+from support import fast_attention as FA
 from support import greedy
 import model as M
 from conftest import tiny as tiny_llama
@@ -41,7 +42,7 @@ def test_bias_log_m_attends_like_m_copies(m, S, seed, sdpa):
     bias = torch.zeros(1, 2, S, dtype=torch.float64)
     bias[..., j] = math.log(m)
     rep = torch.cat((torch.arange(S), torch.full((m - 1,), j)))            # entry j m times
-    kernel = M.attention_sdpa if sdpa else M.attention
+    kernel = FA.attention_sdpa if sdpa else M.attention
     qp = torch.full((1, 3), S)
     got = kernel(q, k, v, bias, qp, pos)
     want = kernel(q, k[:, :, rep], v[:, :, rep], torch.zeros(1, 2, len(rep), dtype=torch.float64),
@@ -75,9 +76,11 @@ def attention_maps(m, x):
 def naive_propagate(s_bar, A, n, hops, decay):
     """Python: seeds by (value, later token); each hop the seeds' weighted rows of A, every
     chosen seed zeroed, the next seeds its best; d = Σ decay^(k−1)·d_k, normalised."""
-    rank = lambda v: [
-        i for i in sorted(range(len(v)), key=lambda i: (-float(v[i]), -i)) if v[i] > 0
-    ][:n]
+    def rank(v):
+        """The n best tokens of v with v > 0, by (value, later token)."""
+        return [
+            i for i in sorted(range(len(v)), key=lambda i: (-float(v[i]), -i)) if v[i] > 0
+        ][:n]
     chosen, front = [], rank(s_bar)
     w, d = [float(s_bar[i]) for i in front], torch.zeros_like(s_bar)
     chosen += front
@@ -125,19 +128,19 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops, fwd
         for g in range(G):
             own = maps[l][g * 2:(g + 1) * 2, T - r:, :Tc].sum((0, 1))
             shat.append(own / own.sum())
-    cx = GK.context(m, full, stats, r, s)
+    ctx = GK.context(m, full, stats, r, s)
     # sampled: layers 0 and 1
     A = sum(maps[l][:, :Tc, :Tc].mean(0) for l in (0, 1)) / 2
     # A[j]: what j reads / who reads j
     A = (1 - fwd) * A + fwd * A.T
     s_bar = torch.stack(shat).mean(0)
     d_hat, seeds = naive_propagate(s_bar / s_bar.sum(), A, s.seeds, hops, s.decay)
-    assert cx.seeds == seeds
+    assert ctx.seeds == seeds
     for j in range(4):
         torch.testing.assert_close(
-            cx.units.R[j, :Tc], 0.7 * shat[j] + 0.3 * d_hat, rtol=1e-9, atol=1e-13
+            ctx.units.R[j, :Tc], 0.7 * shat[j] + 0.3 * d_hat, rtol=1e-9, atol=1e-13
         )
-        torch.testing.assert_close(cx.sal[j], shat[j], rtol=1e-10, atol=1e-14)
+        torch.testing.assert_close(ctx.sal[j], shat[j], rtol=1e-10, atol=1e-14)
     for l in range(2):
         Wo = m.layers[l].self_attn.o_proj.weight.detach()                     # (dim, H·D)
         for g in range(G):
@@ -147,17 +150,17 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops, fwd
                 outs[l][2 * g : 2 * g + 2, T - r :].transpose(0, 1).reshape(r, 16) @ Wo[:, cols].T
             )
             b = contrib.norm(dim=-1).mean()
-            torch.testing.assert_close(cx.omega[l * G + g], (a * b).sqrt(), rtol=1e-10, atol=0)
-        peak = cx.units.R[l * G:(l + 1) * G, :Tc].mean(0).clone()
+            torch.testing.assert_close(ctx.omega[l * G + g], (a * b).sqrt(), rtol=1e-10, atol=0)
+        peak = ctx.units.R[l * G:(l + 1) * G, :Tc].mean(0).clone()
         peak[:4] = 0
-        best = sorted(cx.slots, key=lambda ab: -float(peak[ab[0]:ab[1]].max()))
+        best = sorted(ctx.slots, key=lambda ab: -float(peak[ab[0]:ab[1]].max()))
         ev = [t for a, b in best for t in range(a, b) if t % 2 == 0][:n_ev]
         at = list(range(T - r, T)) + ev
         for g in range(G):
             torch.testing.assert_close(
-                cx.units.q[l * G + g], qs[l][2 * g : 2 * g + 2, at].reshape(-1, 8)
+                ctx.units.q[l * G + g], qs[l][2 * g : 2 * g + 2, at].reshape(-1, 8)
             )
-            assert cx.units.qpos[l * G + g].tolist() == at * 2
+            assert ctx.units.qpos[l * G + g].tolist() == at * 2
 
 
 @given(st.integers(3, 12), st.integers(1, 3), st.integers(0, 3), st.integers(0, 10**6))
@@ -266,39 +269,41 @@ def test_dp_slots_optimal_against_brute_force(Tc, seed, lo, extra):
     assert got == pytest.approx(best(0, K), abs=1e-12)
 
 
-def naive_node(cx, j, toks, s, f):
+def naive_node(units, j, toks, s, f):
     """Prototype and distortion of node `toks` of unit j straight from the write-up's formulas."""
-    kr, v, R = cx.kr[j, toks], cx.v[j, toks], cx.R[j, toks]
+    kr, v, R = units.kr[j, toks], units.v[j, toks], units.R[j, toks]
     kbar = kr.mean(0)
     p = torch.tensor(toks, dtype=torch.float64).mean().round()
-    key = M.apply_rope(kbar, p, cx.inv_freq)
+    key = M.apply_rope(kbar, p, units.inv_freq)
     if f.key is V.key_post:
-        key = M.apply_rope(kr, torch.tensor(toks), cx.inv_freq).mean(0)       # mean post-RoPE key
+        key = M.apply_rope(kr, torch.tensor(toks), units.inv_freq).mean(0)    # mean post-RoPE key
     hb = kbar.norm() / (kr.norm(dim=-1).mean() + s.eps)
     mm = min(max(len(toks) * hb.item() ** 2, 1.0), len(toks))
-    logit = cx.q[j] @ key / math.sqrt(key.shape[-1]) - cx.c[j]               # (P,) q·k̃/√D − c
+    logit = units.q[j] @ key / math.sqrt(key.shape[-1]) - units.c[j]    # (P,) q·k̃/√D − c
     if f.multiplicity is V.multiplicity_n:
         mm = len(toks)
     # log m = Σ_u w_u (log Z_u − logit_u), w ∝ Z, in [0, log n + c]
     elif f.multiplicity is V.multiplicity_fit:
-        lZ = cx.lg[j, toks].exp().sum(0).log()
-        seen = cx.qpos[j] >= toks[-1]
+        lZ = units.lg[j, toks].exp().sum(0).log()
+        seen = units.qpos[j] >= toks[-1]
         fit = float((torch.softmax(lZ[seen], 0) * (lZ - logit)[seen]).sum())
         mm = math.exp(min(max(fit, 0.0), math.log(len(toks)) + V.FIT_SLACK))
     # β: the node's own, 0.1·mean of R over its tokens (eq. 7); the variant's: 0.1·mean over the
     # context
-    w = R + s.beta * (cx.R[j, :cx.Tc].mean() if f.value_beta is V.beta_global else R.mean())
+    w = R + s.beta * (units.R[j, :units.Tc].mean() if f.value_beta is V.beta_global else R.mean())
     val = (w[:, None] * v).sum(0) / w.sum()
-    lg = cx.lg[j, toks]                                                       # (n, P) log A
+    lg = units.lg[j, toks]                                                       # (n, P) log A
     Z = lg.exp().sum(0)                                                       # (P,) attention mass
     sh = lg.max(0).values                                     # each probe's max-subtraction
     Zs, Mx = (lg - sh).exp().sum(0), (lg - sh).exp().T @ v                    # (P,), (P, D)
     Zp = mm * torch.exp(logit - sh)
-    # D_u = (Z − Z̃)²/(Z² + ε) + ‖M − M̃‖²/(‖M‖² + ε), in the probe's max-subtracted scale
+    # D_u = (Z − Z̃)²/(Z² + ε) + ‖M − M̃‖²/(‖M‖² + ε), in the probe's
+    # max-subtracted scale
     denom = (Mx ** 2).sum(-1) + s.eps
     Dq = (Zs - Zp) ** 2 / (Zs ** 2 + s.eps) + ((Mx - Zp[:, None] * val) ** 2).sum(-1) / denom
     Dd = Zs ** 2 / (Zs ** 2 + s.eps) + (Mx ** 2).sum(-1) / denom
-    seen = cx.qpos[j] >= toks[-1]      # a probe reads a node only from at or after its last token
+    # a probe reads a node only from at or after its last token
+    seen = units.qpos[j] >= toks[-1]
     wq = Z * seen / (Z * seen).sum()
     return dict(key=key, val=val, logm=math.log(mm), pos=int(p), D=float((wq * Dq)[seen].sum()),
                 Ddrop=float((wq * Dd)[seen].sum()), R=float(R.sum()))
@@ -317,16 +322,16 @@ VARIANTS = [
 def test_prototype_and_distortion_equal_naive(T, seed, over):
     m, (s, f) = tiny(seed), V.build({**SET.__dict__, **over})
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
-    cx = GK.context(m, full, stats, 4, s, f)
+    ctx = GK.context(m, full, stats, 4, s, f)
     g = torch.Generator().manual_seed(seed)
-    U, Tc = cx.units.kr.shape[0], cx.Tc
+    U, Tc = ctx.units.kr.shape[0], ctx.Tc
     u = torch.randint(U, (12,), generator=g)
     a = torch.randint(Tc - 1, (12,), generator=g)
     b = torch.minimum(a + 1 + torch.randint(8, (12,), generator=g), torch.tensor(Tc))
-    got = GK.node_stats(cx.units, u, a, b)
+    got = GK.node_stats(ctx.units, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
-        want = naive_node(cx.units, int(u[i]), toks, s, f)
+        want = naive_node(ctx.units, int(u[i]), toks, s, f)
         assert int(got["n"][i]) == len(toks)
         for k in ("key", "val"):
             torch.testing.assert_close(got[k][i], want[k], rtol=1e-10, atol=1e-12)
@@ -428,11 +433,11 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     frontier = replay(plan, plan.B_alloc)
     per_unit = int(s.floor_frac * (B - r))
     # the same seeds, fresh
-    cx = GK.context(m, full, stats, r, s, f)
+    ctx = GK.context(m, full, stats, r, s, f)
     if f.floor is GK.seed_floor:              # each unit's own best seeds, within its reservation
-        k = min(max(per_unit, 0), len(cx.seeds))
+        k = min(max(per_unit, 0), len(ctx.seeds))
         for j in range(U):
-            best = sorted(cx.seeds, key=lambda t: (-float(cx.units.R[j, t]), -t))[:k]
+            best = sorted(ctx.seeds, key=lambda t: (-float(ctx.units.R[j, t]), -t))[:k]
             assert plan.floor[j].nonzero()[:, 0].tolist() == sorted(best)
         n_floor = U * k
     else:
@@ -445,8 +450,10 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     # the greedy spends the whole budget but the entries no action fits (a cost-2 split with
     # 1 left) or stops when everything is exact
     assert U * B - cache.entries() <= 1 or everything
-    spans = lambda p: [(k, p.nodes[v].unit, p.nodes[v].a, p.nodes[v].b, c)
-                       for k, v, g, c in p.steps]
+
+    def spans(p):
+        """The plan's steps as (kind, unit, a, b, cost)."""
+        return [(k, p.nodes[v].unit, p.nodes[v].a, p.nodes[v].b, c) for k, v, g, c in p.steps]
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
                        return_plan=True, formulas=f)[1]
     assert spans(same) == spans(plan)                                         # prefetch: speed only
@@ -505,12 +512,12 @@ def test_greedy_to_all_leaves_is_fullkv(T, seed):
     m, x, s = tiny(seed), tokens(seed, T + 5), SET
     full, stats = GK.observe(m, x[:, :T], s, chunk=CHUNK)
     want = M.decode(m, x[:, T:], copy(full))
-    cx = GK.context(m, full, stats, s.window, s)
-    plan = GK.allocate(cx, cx.units.kr.shape[0] * cx.Tc)
+    ctx = GK.context(m, full, stats, s.window, s)
+    plan = GK.allocate(ctx, ctx.units.kr.shape[0] * ctx.Tc)
     replay(plan, plan.B_alloc)
     assert all(plan.nodes[i].n == 1 for i in plan.frontier)
     # a ragged layer: another kernel
-    got = M.decode(m, x[:, T:], GK.assemble(cx, full, plan))
+    got = M.decode(m, x[:, T:], GK.assemble(ctx, full, plan))
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
 
 
@@ -565,13 +572,13 @@ def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t."""
     m, s, f = tiny(seed), SET, GK.Formulas(key=V.key_post)
     full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
-    cx = GK.context(m, full, stats, s.window, s, f)
+    ctx = GK.context(m, full, stats, s.window, s, f)
     g = torch.Generator().manual_seed(seed)
-    U, Tc, G = cx.units.kr.shape[0], cx.Tc, m.config.n_kv_heads
+    U, Tc, G = ctx.units.kr.shape[0], ctx.Tc, m.config.n_kv_heads
     u = torch.randint(U, (10,), generator=g)
     a = torch.randint(Tc - 1, (10,), generator=g)
     b = torch.minimum(a + 2 + torch.randint(8, (10,), generator=g), torch.tensor(Tc))
-    key = GK.node_stats(cx.units, u, a, b)["key"]                              # (10, D)
+    key = GK.node_stats(ctx.units, u, a, b)["key"]                              # (10, D)
     for i in range(10):
         # (n, D) post-RoPE
         k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]

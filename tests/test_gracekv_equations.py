@@ -64,16 +64,16 @@ def norm(a):
 def setup(seed, T, s=SET):
     m, x = tiny(seed), tokens(seed, T)
     full, flow = GK.observe(m, x, s, chunk=5)
-    cx = GK.context(m, full, flow, s.window, s)
-    return m, x, full, flow, cx
+    ctx = GK.context(m, full, flow, s.window, s)
+    return m, x, full, flow, ctx
 
 
 # ----------------------------------------------------------------------------- eq. (4)-(5)
 
 def bends_eq4(h, w):
-    """Eq. (4): h̄_i = h_i/‖h_i‖; μ₋ = mean(h̄_{i−w+1..i}), μ₊ = mean(h̄_{i+1..i+w}) (windows
-    clipped at the ends), δ₋ = h̄_i − μ₋, δ₊ = μ₊ − h̄_i, κ_i = 1 − cos(δ₋, δ₊); κ = 0 at the two
-    ends, where δ₊ or δ₋ has no tokens."""
+    """Eq. (4): h̄_i = h_i/‖h_i‖; μ₋ = mean(h̄_{i−w+1..i}), μ₊ = mean(h̄_{i+1..i+w})
+    (windows clipped at the ends), δ₋ = h̄_i − μ₋, δ₊ = μ₊ − h̄_i,
+    κ_i = 1 − cos(δ₋, δ₊); κ = 0 at the two ends, where δ₊ or δ₋ has no tokens."""
     T = len(h)
     hb = [[float(c) / norm(row) for c in row] for row in h]
     kappa = [0.0] * T
@@ -112,11 +112,12 @@ def robust_z(xs):
 
 @given(st.integers(20, 36), st.integers(0, 3))
 def test_eq5_boundary_score(T, seed):
-    """Eq. (5): κ_i = mean_{l,w} κ_i^{(l,w)} − λ_stab·std_{l,w} κ_i^{(l,w)} (std over the (l, w)
-    pairs, population form), b_i = z(κ_i) + λ_s·z(surprisal_i), surprisal_i = −log p(x_i | x_<i);
-    the trajectory at layer l: h_t = the un-rotated keys k°_t and values v_t of every KV head,
-    each L2-normalised, concatenated (a linear image of the hidden state; docs/gracekv.md)."""
-    m, x, full, flow, cx = setup(seed, T)
+    """Eq. (5): κ_i = mean_{l,w} κ_i^{(l,w)} − λ_stab·std_{l,w} κ_i^{(l,w)} (std over the
+    (l, w) pairs, population form), b_i = z(κ_i) + λ_s·z(surprisal_i),
+    surprisal_i = −log p(x_i | x_<i); the trajectory at layer l: h_t = the un-rotated keys k°_t
+    and values v_t of every KV head, each L2-normalised, concatenated (a linear image of the
+    hidden state; docs/gracekv.md)."""
+    m, x, full, flow, ctx = setup(seed, T)
     s, Tc = SET, T - R_WIN
     _, k, v, _ = observed(m, x)
     kappas = []
@@ -152,7 +153,8 @@ def node_eq6_8(m, q, k, v, R, T, unit, toks, s=SET):
     (7) β_v = 0.1·mean_{t∈v} R_t, ṽ = Σ (R_t + β_v) v_t / Σ (R_t + β_v),
         ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m_v = clamp(n·ħ², 1, n);
     (8) per probe u (max-subtracted): Z = Σ_t e^{q·k_t/√d}, M = Σ_t e^{q·k_t/√d} v_t,
-        Z̃ = m e^{q·k̃/√d}, M̃ = Z̃ ṽ, D_u = λ_Z (Z − Z̃)²/(Z² + ε) + λ_M ‖M − M̃‖²/(‖M‖² + ε);
+        Z̃ = m e^{q·k̃/√d}, M̃ = Z̃ ṽ,
+        D_u = λ_Z (Z − Z̃)²/(Z² + ε) + λ_M ‖M − M̃‖²/(‖M‖² + ε);
         D = Σ_u a_u D_u / Σ_u a_u with a_u the attention mass u pays the node;
         D(drop): Z̃ = M̃ = 0."""
     layer, head = divmod(unit, G)
@@ -194,16 +196,16 @@ def node_eq6_8(m, q, k, v, R, T, unit, toks, s=SET):
 
 @given(st.integers(16, 32), st.integers(0, 3))
 def test_eq6_7_8_prototype_and_distortion(T, seed):
-    m, x, full, flow, cx = setup(seed, T)
+    m, x, full, flow, ctx = setup(seed, T)
     q, k, v, _ = observed(m, x)
     gen = torch.Generator().manual_seed(seed)
     Tc = T - R_WIN
     u = torch.randint(U, (6,), generator=gen)
     a = torch.randint(Tc - 1, (6,), generator=gen)
     b = torch.minimum(a + 1 + torch.randint(7, (6,), generator=gen), torch.tensor(Tc))
-    got = GK.node_stats(cx.units, u, a, b)
+    got = GK.node_stats(ctx.units, u, a, b)
     for i in range(6):
-        want = node_eq6_8(m, q, k, v, cx.units.R, T, int(u[i]), list(range(int(a[i]), int(b[i]))))
+        want = node_eq6_8(m, q, k, v, ctx.units.R, T, int(u[i]), list(range(int(a[i]), int(b[i]))))
         torch.testing.assert_close(got["key"][i], want["key"], rtol=1e-9, atol=1e-11)   # eq. 6
         torch.testing.assert_close(got["val"][i], want["val"], rtol=1e-9, atol=1e-11)   # eq. 7
         assert int(got["pos"][i]) == want["pos"]
@@ -215,12 +217,12 @@ def test_eq6_7_8_prototype_and_distortion(T, seed):
 
 @given(st.integers(14, 30), st.integers(0, 3), st.integers(0, 2))
 def test_eq9_10_relevance(T, seed, hops):
-    """(9) s_{l,g,t} = Σ_{u∈U} Σ_{h∈H(g)} softmax_τ(q_u^{l,h}·k_τ^{l,g}/√d)_t over the context,
-    normalised per unit to ŝ; the multi-hop's d̂ from the seeds of the mean ŝ along the sampled
-    layers' attention (its transcription: test_gracekv.naive_propagate); (10) R^tok =
+    """(9) s_{l,g,t} = Σ_{u∈U} Σ_{h∈H(g)} softmax_τ(q_u^{l,h}·k_τ^{l,g}/√d)_t over the
+    context, normalised per unit to ŝ; the multi-hop's d̂ from the seeds of the mean ŝ along the
+    sampled layers' attention (its transcription: test_gracekv.naive_propagate); (10) R^tok =
     (1 − λ_graph)·ŝ + λ_graph·d̂, each unit its own ŝ."""
     s = replace(SET, hops=hops, hop_forward=0.5)
-    m, x, full, flow, cx = setup(seed, T, s)
+    m, x, full, flow, ctx = setup(seed, T, s)
     q, k, _, _ = observed(m, x)
     Tc = T - R_WIN
 
@@ -250,19 +252,20 @@ def test_eq9_10_relevance(T, seed, hops):
                     Amap[i, t] += row[t] / (H * len(sampled))
     Amap = (1 - s.hop_forward) * Amap + s.hop_forward * Amap.T
     d_hat, seeds = naive_propagate(s_bar / s_bar.sum(), Amap, s.seeds, hops, s.decay)
-    assert cx.seeds == seeds
+    assert ctx.seeds == seeds
     for j in range(U):
         for t in range(Tc):
-            assert float(cx.sal[j, t]) == pytest.approx(s_hat[j][t], rel=1e-9, abs=1e-13)
+            assert float(ctx.sal[j, t]) == pytest.approx(s_hat[j][t], rel=1e-9, abs=1e-13)
             want = (1 - s.lambda_graph) * s_hat[j][t] + s.lambda_graph * float(d_hat[t])
-            assert float(cx.units.R[j, t]) == pytest.approx(want, rel=1e-9, abs=1e-13)
+            assert float(ctx.units.R[j, t]) == pytest.approx(want, rel=1e-9, abs=1e-13)
 
 
 @given(st.integers(14, 30), st.integers(0, 3))
 def test_eq11_head_weights(T, seed):
-    """(11) a_{l,g} = (Σ_{h∈H(g)} ‖W_O^{l,h}‖_F²)^{1/2}, b_{l,g} = mean_{u∈U} ‖Σ_{h∈H(g)}
-    W_O^{l,h} o_u^{l,h}‖, ω = √(a·b); W_O^{l,h} the columns of o_proj that read head h."""
-    m, x, full, flow, cx = setup(seed, T)
+    """(11) a_{l,g} = (Σ_{h∈H(g)} ‖W_O^{l,h}‖_F²)^{1/2},
+    b_{l,g} = mean_{u∈U} ‖Σ_{h∈H(g)} W_O^{l,h} o_u^{l,h}‖, ω = √(a·b); W_O^{l,h} the
+    columns of o_proj that read head h."""
+    m, x, full, flow, ctx = setup(seed, T)
     _, _, _, out = observed(m, x)
     for layer in range(L):
         Wo = m.layers[layer].self_attn.o_proj.weight.detach()                 # (dim, H·D)
@@ -275,7 +278,7 @@ def test_eq11_head_weights(T, seed):
                 y = [sum(float(Wo[r_, h * D + c]) * float(out[layer][h, u, c]) for h in heads
                          for c in range(D)) for r_ in range(Wo.shape[0])]
                 b += norm(y) / R_WIN
-            assert float(cx.omega[layer * G + head]) == pytest.approx(math.sqrt(a * b), rel=1e-10)
+            assert float(ctx.omega[layer * G + head]) == pytest.approx(math.sqrt(a * b), rel=1e-10)
 
 
 # ------------------------------------------------------------------------ eq. (2), floor, (12)-(13)
@@ -284,8 +287,8 @@ def plan_for(seed, T, B, s=SET, f=None):
     m, x = tiny(seed), tokens(seed, T)
     full, flow = GK.observe(m, x, s, chunk=5)
     cache, plan = GK.compress(m, full, flow, B, s, return_plan=True, formulas=f)
-    cx = GK.context(m, full, flow, s.window, s, f)                          # the same steps, fresh
-    return m, x, full, cache, plan, cx
+    ctx = GK.context(m, full, flow, s.window, s, f)                          # the same steps, fresh
+    return m, x, full, cache, plan, ctx
 
 
 @given(st.integers(20, 40), st.data(), st.integers(0, 3), st.sampled_from([0.0, 0.5, 1.0]))
@@ -296,11 +299,11 @@ def test_eq2_budget_and_the_floor(T, data, seed, phi):
     ⌊φ·(B − r)⌋ seeds by its R^tok (ties to the later token)."""
     B = data.draw(st.integers(R_WIN + 1, T - 1))
     s = replace(SET, floor_frac=phi)
-    m, x, full, cache, plan, cx = plan_for(seed, T, B, s)
+    m, x, full, cache, plan, ctx = plan_for(seed, T, B, s)
     per_unit = int(phi * (B - R_WIN))
     floor = 0
     for j in range(U):
-        ranked = sorted(cx.seeds, key=lambda t: (float(cx.units.R[j, t]), t), reverse=True)
+        ranked = sorted(ctx.seeds, key=lambda t: (float(ctx.units.R[j, t]), t), reverse=True)
         want = sorted(ranked[:per_unit])
         assert plan.floor[j].nonzero()[:, 0].tolist() == want
         floor += len(want)
@@ -319,7 +322,7 @@ def eq12_mismatches(seed, T, B, s, f=None):
     """Count the gains of the plan that differ from eq. (12) computed on the eq. (6)-(8)
     transcription: Δ_add(root) = ω·R(root)·(D^drop − D(root));
     Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u))."""
-    m, x, full, cache, plan, cx = plan_for(seed, T, B, s, f)
+    m, x, full, cache, plan, ctx = plan_for(seed, T, B, s, f)
     q, k, v, _ = observed(m, x)
     memo = {}
 
@@ -327,16 +330,16 @@ def eq12_mismatches(seed, T, B, s, f=None):
         if i not in memo:
             toks = leaf_tokens(plan, i)
             assert len(toks) == plan.nodes[i].n
-            memo[i] = node_eq6_8(m, q, k, v, cx.units.R, T, plan.nodes[i].unit, toks, s)
+            memo[i] = node_eq6_8(m, q, k, v, ctx.units.R, T, plan.nodes[i].unit, toks, s)
         return memo[i]
     bad = checked = 0
     for i, gain in plan.add_gain.items():
-        w = float(cx.omega[plan.nodes[i].unit])
+        w = float(ctx.omega[plan.nodes[i].unit])
         want = w * node(i)["R"] * (node(i)["Ddrop"] - node(i)["D"])
         bad += not math.isclose(gain, want, rel_tol=1e-7, abs_tol=1e-12)
         checked += 1
     for i, split in plan.split.items():
-        w = float(cx.omega[plan.nodes[i].unit])
+        w = float(ctx.omega[plan.nodes[i].unit])
         want = w * node(i)["R"] * (node(i)["D"] - sum(node(c)["D"] for c in split.children))
         bad += not math.isclose(split.gain, want, rel_tol=1e-7, abs_tol=1e-12)
         checked += 1

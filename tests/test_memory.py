@@ -38,7 +38,7 @@ def test_what_an_observation_keeps_equals_the_formula():
     sampled = len(GK.depths(gset.hop_depths, L))
     k = MEM.Knobs(window=W, stride=gset.evidence_stride, sampled=sampled)
     want = MEM.held(s, T, MEM.EVERY, k)
-    buffers = (getattr(lc.buffer, f) for lc in full.layers for f in M.FIELDS)
+    buffers = (getattr(lc.room, f) for lc in full.layers for f in M.LayerCache.FIELDS)
     assert nbytes(*buffers) == want["kv cache"]
     for name in ("colsum", "window", "last", "recon"):
         assert nbytes(*(st[name] for st in obs.stats)) == want[f"{name} (kept)"]
@@ -53,8 +53,8 @@ def test_gracekv_units_equal_the_formula():
     gset = GK.Settings(window=W, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
                        seeds=3, evidence=4)          # m = 4 evidence probes: the slots hold them
     full, flow = GK.observe(m, x, gset)
-    cx = GK.context(m, full, flow, W, gset)
-    u = cx.units
-    got = nbytes(u.kr, u.v, u.k, u.knorm, u.R, u.lg, cx.sal, u.hole)
+    ctx = GK.context(m, full, flow, W, gset)
+    u = ctx.units
+    got = nbytes(u.kr, u.v, u.k, u.knorm, u.R, u.lg, ctx.sal, u.hole)
     k = MEM.Knobs(window=W, evidence=gset.evidence)
     assert got == MEM.units_bytes(MEM.Shape.of(m.config, 8), T, k)

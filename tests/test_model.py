@@ -26,6 +26,8 @@ import torch
 from hypothesis import given, strategies as st
 
 import model
+from support import fast_attention
+from support import fast_cache
 
 ROOT = Path(__file__).resolve().parent.parent
 F64 = torch.float64
@@ -55,10 +57,10 @@ def configs(draw, **fixed):
     return model.Config(**kw)
 
 
-def random_model(cfg: model.Config, seed: int = 0, sdpa: bool = False) -> model.Llama:
+def random_model(cfg: model.Config, seed: int = 0, fast: bool = False) -> model.Llama:
     """fp64 Llama with random weights; norm weights and biases non-trivial so they matter."""
     torch.manual_seed(seed)
-    m = model.Llama(cfg, sdpa=sdpa).to(F64)
+    m = model.Llama(cfg, fast=fast).to(F64)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:
@@ -166,8 +168,8 @@ def test_cached_decoding_equals_uncached(cfg, seed, B, T, data):
     toks = tokens_for(cfg, B, T, seed)
     p = data.draw(st.integers(1, T - 1), label="prompt length")
     naive = naive_logits(m, toks)                                             # (B, T, V)
-    for sdpa in (False, True):
-        m.sdpa = sdpa
+    for fast in (False, True):
+        m.fast = fast
         _, full = run64(m, m, toks)                                           # (B, T, V)
         assert torch.allclose(full, naive, **EXACT)
         cache, first = run64(m, model.prefill, m, toks[:, :p])
@@ -189,15 +191,15 @@ def test_cached_decoding_equals_uncached(cfg, seed, B, T, data):
 
 @given(cfg=configs(), seed=st.integers(0, 2**16), T=st.integers(2, 10))
 def test_sdpa_equals_explicit_attention(cfg, seed, T):
-    """Same weights, sdpa=True vs sdpa=False: prefill (causal fast path) and decode with a cache,
+    """Same weights, fast=True vs fast=False: prefill (causal fast path) and decode with a cache,
     including a gathered cache with -inf and positive (log m-like) biases (the attn_mask path,
     one mask per head) and three tokens at once on the prefill's cache (one mask for all heads).
     Tolerance 1e-12: SDPA's math kernel scales and reduces in a different order."""
     m = random_model(cfg, seed)
     toks = tokens_for(cfg, 1, T + 3, seed)
     outs = {}
-    for sdpa in (False, True):
-        m.sdpa = sdpa
+    for fast in (False, True):
+        m.fast = fast
         cache, pre = run64(m, model.prefill, m, toks[:, :T])
         more = run64(m, model.decode, m, toks[:, T:], cache.fork())[1]
         g = torch.Generator().manual_seed(seed)
@@ -208,7 +210,7 @@ def test_sdpa_equals_explicit_attention(cfg, seed, T):
             lc.bias = torch.where(torch.rand(lc.bias.shape, generator=g, dtype=F64) < 0.3,
                                   float("-inf"), torch.rand(lc.bias.shape, generator=g, dtype=F64))
             cache.layers[l] = lc
-        outs[sdpa] = (pre, more, run64(m, model.decode, m, toks[:, T:T + 1], cache)[1])
+        outs[fast] = (pre, more, run64(m, model.decode, m, toks[:, T:T + 1], cache)[1])
     for a, b in zip(outs[False], outs[True]):
         assert torch.allclose(a, b, **EXACT)
 
@@ -220,20 +222,21 @@ def mha_from_gqa(m: model.Llama) -> model.Llama:
     H, G, D, g = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.n_heads // cfg.n_kv_heads
     sd = {}
     for name, t in m.state_dict().items():
-        if ".k_proj." in name or ".v_proj." in name:                          # (G·D, dim) or (G·D,)
+        # (G·D, dim) or (G·D,)
+        if ".k_proj." in name or ".v_proj." in name:
             t = t.view(G, D, *t.shape[1:]).repeat_interleave(g, 0).reshape(H * D, *t.shape[1:])
         sd[name] = t
-    mha = model.Llama(replace(cfg, n_kv_heads=H), sdpa=m.sdpa).to(F64)
+    mha = model.Llama(replace(cfg, n_kv_heads=H), fast=m.fast).to(F64)
     mha.load_state_dict(sd)
     return mha.eval()
 
 
 @given(cfg=configs(n_kv_heads=2, n_heads=4), seed=st.integers(0, 2**16), T=st.integers(2, 10),
-       sdpa=st.booleans())
-def test_gqa_equals_mha_with_repeated_kv_heads(cfg, seed, T, sdpa):
+       fast=st.booleans())
+def test_gqa_equals_mha_with_repeated_kv_heads(cfg, seed, T, fast):
     """Tolerance 1e-12: k_proj/v_proj are matmuls of a different width (MKL may block them
     differently); everything downstream is the same arithmetic."""
-    m = random_model(cfg, seed, sdpa=sdpa)
+    m = random_model(cfg, seed, fast=fast)
     mha = mha_from_gqa(m)
     toks = tokens_for(cfg, 2, T, seed)
     assert torch.allclose(run64(m, m, toks)[1], run64(mha, mha, toks)[1], **EXACT)
@@ -334,7 +337,7 @@ def test_gathered_cache_equals_masked_full_attention(cfg, seed, B, T, data):
     token: equals the naive model attending to the full cache with the other keys masked to −inf.
     Setting bias = −inf, or pos = −1, on the dropped entries instead of removing them is the
     same."""
-    m = random_model(cfg, seed, sdpa=data.draw(st.booleans(), label="sdpa"))
+    m = random_model(cfg, seed, fast=data.draw(st.booleans(), label="fast"))
     toks = tokens_for(cfg, B, T + 1, seed)
     n_keep = data.draw(st.integers(1, T), label="kept per head")
     g = torch.Generator().manual_seed(seed)
@@ -406,7 +409,7 @@ def test_save_load_round_trip(tmp_path, shard_size, qwen3):
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)   # bit for bit
     # same weights, yet not always the same last bits of the logits: MKL picks its fp64 kernel by
     # memory alignment (measured: 7e-15 after a sharded load, 0 once the weights are cloned)
-    m.sdpa = m2.sdpa                                      # load() builds the SDPA model
+    m.fast = m2.fast                                      # load() builds the fast model
     assert torch.allclose(run64(m2, m2, toks)[1], run64(m, m, toks)[1], **EXACT)
     assert tok.encode("w5 w7 w29") == [5, 7, 29] and tok.decode([5, 7]) == "w5 w7"
     assert tok.eos_ids == {2, 3} and tok.bos_id == 1
@@ -514,7 +517,8 @@ def test_embedded_model_config(embedded):
     assert (c.rope_theta, c.max_seq_len, c.tie_embeddings, c.bos_id, c.eos_ids) == \
         (100000.0, 8192, True, 1, (2,))
     assert m.lm_head.weight is m.embed_tokens.weight and len(tok) == 49152
-    for s in ["The capital of France is", "x = 12345 + 6.7", "café 日本語 🎉", "  two  spaces\n"]:
+    for s in ["The capital of France is", "x = 12345 + 6.7", "café 日本語 🎉",
+              "  two  spaces\n"]:
         assert tok.decode(tok.encode(s)) == s
     assert len(tok.encode("12345")) == 5                        # digits are split one by one
     assert tok.encode("<|im_start|>") == [1]                    # a special token stays whole
@@ -654,4 +658,43 @@ def test_bf16_cache_keeps_the_bias_in_fp32():
     q = torch.randn(1, 4, 1, 8, dtype=torch.bfloat16)
     q_pos = torch.tensor([[20]])
     want = model.attention(q, lc.k, lc.v, bias, q_pos, lc.pos)
-    assert torch.equal(model.attention_sdpa(q, lc.k, lc.v, bias, q_pos, lc.pos), want)
+    assert fast_attention.attention_sdpa(q, lc.k, lc.v, bias, q_pos, lc.pos) is None
+    with_bias = model.LayerCache(lc.k, lc.v, lc.pos, bias)
+    assert torch.equal(model.layer_attention(q, with_bias, q_pos, 2, fast=True), want)
+
+
+@given(seed=st.integers(0, 2**16), T=st.integers(1, 5), ragged=st.booleans(),
+       acc=st.booleans())
+def test_fast_append_equals_the_naive_append(seed, T, ragged, acc):
+    """support/fast_cache.append writes the entries LayerCache.append concatenates: the same
+    fields after a run of appends (a dense layer with or without a decode rule's acc, or a
+    ragged one), and two forks fed different tokens in turn stay each equal to its naive twin
+    (in-place writes never reach a slot another view sees)."""
+    g = torch.Generator().manual_seed(seed)
+    B, G, D, S = 1, 2, 4, 6
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=g, dtype=F64)
+
+    lc = model.LayerCache(draw(B, G, S, D), draw(B, G, S, D), torch.arange(S).expand(B, G, S),
+                          torch.zeros(B, G, S, dtype=F64),
+                          draw(B, G, S) if acc and not ragged else None)
+    if ragged:
+        lc = lc.ragged([torch.tensor([0, 2, 5]), torch.tensor([1, 3])])
+    k, v, q_pos = draw(B, G, T, D), draw(B, G, T, D), torch.arange(S, S + T).expand(B, T)
+    base_naive, base_fast = lc.append(k, v, q_pos), fast_cache.append(lc, k, v, q_pos)
+    assert base_fast.room is not None                     # the forks below share its room
+    naive = {"a": base_naive, "b": base_naive}
+    fast = {"a": base_fast, "b": base_fast}
+    pos = S + T
+    for step in range(3):
+        for name in ("a", "b"):
+            k, v = draw(B, G, T, D), draw(B, G, T, D)
+            q_pos = torch.arange(pos, pos + T).expand(B, T)
+            naive[name] = naive[name].append(k, v, q_pos)
+            fast[name] = fast_cache.append(fast[name], k, v, q_pos)
+        pos += T
+        for name in ("a", "b"):
+            for f in model.LayerCache.FIELDS:
+                x, y = getattr(naive[name], f), getattr(fast[name], f)
+                assert (x is None and y is None) or torch.equal(x, y), (step, name, f)

@@ -118,9 +118,12 @@ def test_cli_dump_compare_exit_codes(tmp_path):
     Tokenizer(models.WordLevel({f"w{i}": i for i in range(128)}, unk_token="w0")).save(
         str(folder / "tokenizer.json")
     )
-    run = lambda *a: subprocess.run(
-        [sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True
-    )
+
+    def run(*a):
+        """`python oracle.py *a` in the repository, its output captured."""
+        return subprocess.run(
+            [sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True
+        )
     for method, out in (("tova", "a"), ("h2o", "b"), ("adakv", "c"), ("kvzip", "d")):
         r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method",
                 method, "--budget", "40", "--out", str(tmp_path / f"{out}.st"))

@@ -146,7 +146,7 @@ def test_pyramid_budgets_formula(T, budget, L):
 @given(st.sampled_from(COMPRESSING), st.integers(6, 14), st.integers(16, 32), st.integers(0, 2))
 def test_decode_over_kept_equals_masked_full_attention(rule, budget, T, seed):
     """Decoding with a gathered (smaller) cache = full cache with the other keys at −inf."""
-    m = tiny(seed, sdpa=False)
+    m = tiny(seed, fast=False)
     tokens = torch.randint(1, 50, (1, T + 1), generator=torch.Generator().manual_seed(seed))
     pol = policy(rule, budget, m, T)
     pol = P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode[1])) for lp in pol.layers],
@@ -182,7 +182,7 @@ def test_decode_rules_stay_in_budget(rule):
 
 
 def test_tova_decode_keeps_top_under_current_query():
-    m = tiny(2, sdpa=False)
+    m = tiny(2, fast=False)
     T, b = 20, 8
     tokens = torch.randint(1, 50, (1, T + 1), generator=torch.Generator().manual_seed(2))
     pol = policy("tova", b, m, T)

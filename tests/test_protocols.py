@@ -259,7 +259,10 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
         for r in rows
         if r["protocol"] != "agnostic"
     )
-    mean = lambda d: round(sum(d.values()) / len(d), 2)
+
+    def mean(d):
+        """The mean of d's values, rounded to 2 decimals."""
+        return round(sum(d.values()) / len(d), 2)
     assert (summary["config"]["prefill_s"], summary["config"]["prefill_agnostic_s"]) == (
         mean(obs["s"]),
         mean(obs["a"]),
@@ -339,10 +342,13 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     args.allowance = 4096
     it = [i for i in E.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
     methods, names, protocols = E.Methods(m, tok, args), ["full", "snapkv", "gracekv"], PR.PROTOCOLS
-    strip = lambda rows, *more: {
-        r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
-        for r in rows
-    }
+
+    def strip(rows, *more):
+        """key -> row without its timings (and the fields `more`)."""
+        return {
+            r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
+            for r in rows
+        }
     together = strip(E.run_item(m, tok, methods, names, [32], it, set(), protocols))
     alone = strip(
         [r for p in protocols for r in E.run_item(m, tok, methods, names, [32], it, set(), (p,))]
@@ -361,9 +367,11 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     for name in ("snapkv", "gracekv"):
         meth = methods.get(name, 64)
         plain = meth.compress
-        meth.compress = lambda model, full, obs, plain=plain: kept.setdefault(
-            len(kept), plain(model, full, obs)
-        )
+
+        def compress(model, full, obs, plain=plain):
+            """The method's own compression, each cache kept in the order of the calls."""
+            return kept.setdefault(len(kept), plain(model, full, obs))
+        meth.compress = compress
         n_q = it.split[1]
         other = it.tokens.clone()
         other[:, -n_q:] = torch.randint(

@@ -75,7 +75,8 @@ def test_rule_record_is_complete(name):
 
 
 def test_knorm_keeps_the_lowest_key_norms():
-    """K-norm (Devoto et al. 2024) from its definition: the b keys of smallest ‖k‖ per KV head."""
+    """K-norm (Devoto et al. 2024) from its definition: the b keys of smallest ‖k‖ per KV
+    head."""
     m, T, budget = tiny(2), 25, 7
     x = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(2))
     full = M.prefill(m, x)

@@ -2,8 +2,8 @@
 path reads a value back from the device, counted on the CPU. A read is any call that turns a
 tensor into a Python value (`.item()`, `.tolist()`, `int()`, `float()`, `bool()`, an `if` on a
 tensor, `.nonzero()`, `.cpu()`), caught with a torch function mode; on a GPU each one waits for
-the device to finish what it was given. Also: `model.step_facts`, which reads the kernel
-choice of all layers at once, equals `model.kernel_facts` read per layer after the append.
+the device to finish what it was given. Also: `fast_attention.step_facts`, which reads the kernel
+choice of all layers at once, equals `fast_attention.kernel_facts` read per layer after the append.
 Tiny random LLaMA in fp64."""
 import math
 from dataclasses import replace
@@ -16,6 +16,7 @@ from torch.overrides import TorchFunctionMode
 import evaluate as E
 import model as M
 import polykv as P
+from support import fast_attention as FA
 from conftest import REPEAT, tiny
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
@@ -112,7 +113,7 @@ def test_step_facts_equal_kernel_facts_after_the_append(seed, T, start):
     cache after it (`kernel_facts`)."""
     q_pos = torch.arange(start, start + T)[None]                              # (1, T)
     layers = caches(seed)
-    got = M.step_facts(layers, q_pos)
+    got = FA.step_facts(layers, q_pos)
     for lc, facts in zip(layers, got):
         after = appended(lc, q_pos, seed)
-        assert facts == M.kernel_facts(after.bias, q_pos, after.pos)
+        assert facts == FA.kernel_facts(after.bias, q_pos, after.pos)

@@ -223,7 +223,8 @@ def test_cwe_answers_are_the_ten_most_common_listed_words(samples):
 
 
 def test_cwe_long_context_setting(tok):
-    """From 4096 tokens on, RULER repeats common words 30× and the others 3× (example: 10×, 3×)."""
+    """From 4096 tokens on, RULER repeats common words 30× and the others 3× (example: 10×,
+    3×)."""
     s = tasks.cwe(tok, 9000, 0, 0)
     shot, task = s.prompt.rsplit("\nBelow is a numbered list", 1)
     counts = Counter(re.findall(r"\d+\. (\S+)", task.split("\n")[1]))
@@ -595,7 +596,10 @@ def test_answers_stop_after_their_first_line(tok):
     import model as M
     ruler = tasks.RULER_TASKS["niah_single_1"](tok, 600, seed=0)
     done = evaluate.answer_done(tok, ruler)
-    enc = lambda s: tok.encode(s, add_special_tokens=False)
+
+    def enc(s):
+        """The ids of text s, no special tokens added."""
+        return tok.encode(s, add_special_tokens=False)
     assert not done(enc(" \n")) and not done(enc("\n\n 1234")) and done(enc(" 1234.\n"))
     qa = tasks.Sample("narrativeqa", 0, "p", ["a"], "qa_f1_score", 8)
     assert evaluate.answer_done(tok, qa) is None
