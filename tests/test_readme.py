@@ -1,8 +1,11 @@
 """Every Python block of the README and of docs/ runs as written on the embedded model (each in
 its own process: a block may register a rule). A block that starts with a decorator line
-`@P.rule(` is an excerpt of baselines.py and must appear there verbatim."""
+`@P.rule(` is an excerpt of baselines.py and must appear there verbatim. The README's sample of
+what the first command prints is what its committed run printed, and this code prints its
+table from that run's rows."""
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,3 +31,37 @@ def test_block_runs(page, i, code, embedded):
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                        env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
     assert r.returncode == 0, f"{page} block {i}: " + r.stderr[-2000:]
+
+
+def readme_sample() -> list:
+    """The lines of the README's sample of what the first command prints (its ```text block
+    under "The first command"), without the lines that say some were left out."""
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## The first command"):]
+    block = re.search(r"```text\n(.*?)```", section, re.S).group(1)
+    return [line for line in block.splitlines() if line.strip() and line.strip() != "…"]
+
+
+def test_the_first_commands_sample_is_from_its_run():
+    """Every line of the README's sample is a line the committed run of the first command
+    printed (results/quick/stdout.txt), in the same order."""
+    printed = iter((ROOT / "results" / "quick" / "stdout.txt").read_text().splitlines())
+    for line in readme_sample():
+        assert any(line == p for p in printed), f"not printed (in this order): {line}"
+
+
+@pytest.mark.embedded
+def test_this_code_prints_the_samples_table_from_its_rows(tmp_path, embedded):
+    """This code prints the sample's table from the committed run's rows: `evaluate.py
+    --report` on a copy of results/quick gives each table line of the README's sample."""
+    run = tmp_path / "quick"
+    shutil.copytree(ROOT / "results" / "quick", run)
+    r = subprocess.run([sys.executable, "evaluate.py", "--budget", "512", "--out", str(run),
+                        "--report"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert r.returncode == 0, r.stderr[-2000:]
+    printed = set(r.stdout.splitlines())
+    table = [line for line in readme_sample() if line.startswith("| ")]
+    assert len(table) >= 3
+    for line in table:
+        assert line in printed, f"--report does not print: {line}"
