@@ -57,6 +57,11 @@ def grown(x: Optional[torch.Tensor], S: int, cap: int) -> Optional[torch.Tensor]
     return torch.cat((x, x.new_empty(*x.shape[:2], cap - S, *x.shape[3:])), 2)
 
 
+def room(n: int) -> int:
+    """Slots of a new buffer for n written entries: a quarter more, at least 64 spare."""
+    return n + max(64, n // 4)
+
+
 def append(lc, k, v, pos):
     """lc.append(k, v, pos) (the same entries, model.LayerCache.new_entries), written in place
     into lc's buffer when lc owns its tail, else into a new buffer with a quarter more room (at
@@ -65,7 +70,7 @@ def append(lc, k, v, pos):
     n, S = new["k"].shape[2], lc.size           # entries added: T, or G·T in a ragged layer
     b = lc.room
     if not owns_tail(lc, n):
-        cap = S + n + max(64, (S + n) // 4)
+        cap = room(S + n)
         b = Buffer(*(grown(getattr(lc, f), S, cap) for f in lc.FIELDS), used=S)
     for f in lc.FIELDS:
         if new[f] is not None:

@@ -35,6 +35,8 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
+from support import fast_cache
+
 GB = 1e9
 HOST_NODE = 2300       # bytes of host memory per GraceKV plan node (Python records), measured
 NAMES = ("streaming", "h2o", "tova", "snapkv", "knorm", "expected", "kvzip-uniform", "random",
@@ -100,9 +102,9 @@ def kv(s: Shape, slots: int) -> int:
 
 
 def room(T: int) -> int:
-    """Slots of a layer's buffer after its first append of T tokens (model.LayerCache.append:
-    a quarter more, at least 64)."""
-    return T + max(64, T // 4)
+    """Slots of a layer's buffer after its first append of T tokens (the in-place append,
+    support/fast_cache.room: a quarter more, at least 64)."""
+    return fast_cache.room(T)
 
 
 def layer_pass(s: Shape, T: int) -> int:
@@ -165,7 +167,7 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
 def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs()) -> dict:
     """{term: bytes} KVzip's reconstruction pass adds to the observation (baselines.reconstruct):
     per chunk of the prompt a fork of the FullKV cache is fed n new tokens; where the buffer's
-    room is short of n, every layer's cache is copied into a bigger one (LayerCache.append), all
+    room is short of n, every layer's cache is copied into a bigger one (fast_cache.append), all
     held until the step ends; then the largest of the step's block working set and its
     attention kernel (baselines.scored_attention): per block of rows queries and KV group the
     logits and their exponentials (g, rows, T + n) in a, the output (H, n, D) in a, and the
