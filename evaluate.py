@@ -16,8 +16,9 @@ identically for every method, and only later tokens see the compressed cache. `c
 same prefill, but only the context between the prompt's prefix and question is compressed and
 charged; prefix and question stay exact and free. `agnostic`: prefix + context are prefilled and
 compressed without the question, which is then fed to every cache (FullKV's too) and appended.
-Every row records its protocol; the summary and table are per protocol. All methods of one
-sample and protocol share one prefill (and its attention statistics); each method costs only its
+Every row records its protocol; the summary and table are per protocol. All methods and
+protocols of one sample share one prefill (and its attention statistics; agnostic's are read over
+the rows and keys before the question: polykv.observe_prefixes); each method costs only its
 compression and decoding. Teacher-forced distributions count from the first continuation token
 (predicted from the last logits of the prompt) on.
 
@@ -324,9 +325,13 @@ def run_item(
         p: [(n, b) for b in budgets for n in names if not set(keys(n, b, item, p)) <= done]
         for p in protocols
     }
-    # prompt and context observe the same whole prompt: one pass serves both
+    # one prefill observes for every protocol: prompt and context read the whole prompt,
+    # agnostic its prefix + context, rows and keys before the question (polykv.observe_prefixes)
     if item.split is not None:
-        shared = {"for": [nb for p in ("prompt", "context") for nb in asked.get(p, ())]}
+        T = item.tokens.shape[1]
+        ends = (T,) * any(asked.get(p) for p in ("prompt", "context")) \
+            + (T - item.split[1],) * bool(asked.get("agnostic"))
+        shared = {"for": [nb for todo in asked.values() for nb in todo], "ends": ends}
         return [
             r
             for p, todo in asked.items()
@@ -351,9 +356,11 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     (prompt: a follow-up turn); the exact prefix and the compressed context (context, agnostic) —
     and scored like the first, against FullKV given the same tokens.
 
-    shared (prompt and context of one item): {"for": the (method, budget) pairs of both}; the
-    whole prompt's observation and FullKV reference of the first question, made for all of them
-    by the first protocol run, are kept there for the second."""
+    shared (the protocols of one item): {"for": the (method, budget) pairs of all of them,
+    "ends": the prompt lengths observed, T for prompt and context, b for agnostic}; the one
+    observation (polykv.observe_prefixes) and the FullKV references of the first question, made
+    by the first protocol run, are kept there for the others. prefill_s is that one pass, the
+    same in every protocol's rows of the item."""
     T = item.tokens.shape[1]
     n_pre, n_q = item.split if protocol != "prompt" else (0, 0)
     a, b = (n_pre if protocol == "context" else 0), T - n_q
@@ -361,14 +368,17 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     seen = item.tokens[:, :b] if protocol == "agnostic" else item.tokens
     made = {nb: methods.get(*nb) for nb in todo}      # policies resolved outside the timers
     L, G = model.config.n_layers, model.config.n_kv_heads
-    shared = {} if shared is None or protocol == "agnostic" else shared
+    shared = {} if shared is None else shared
     if "observed" not in shared:
         t0 = time.perf_counter()
         needs = P.union([methods.get(*nb).needs(model) for nb in shared.get("for", todo)], L)
-        full, obs = P.observe(model, seen, needs)
-        shared["observed"] = full, obs, needs, time.perf_counter() - t0 - sum(obs.seconds.values())
-    # t_p: the prefill (extra passes: their methods' cost)
-    full, obs, needs, t_p = shared["observed"]
+        ends = shared.get("ends", (seen.shape[1],))
+        observed = P.observe_prefixes(model, item.tokens[:, :max(ends)], needs, ends)
+        extra_s = sum(sum(o.seconds.values()) for _, o in observed.values())
+        shared["observed"] = observed, needs, time.perf_counter() - t0 - extra_s
+    # t_p: the prefill (extra passes: their methods' cost, own_pass)
+    observed, needs, t_p = shared["observed"]
+    full, obs = observed[seen.shape[1]]
     part, part_obs = PR.cut(full, obs, needs, a, b) if protocol == "context" else (full, obs)
 
     # a question arrives: fed to the cache and appended, as decoding would
@@ -409,8 +419,8 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
         if target is not None:
             n = target.shape[1]
             stepwise = any(m.evicts_within(b - a, n + free) for m in made.values())
-            # the first question: the whole prompt's FullKV
-            key = ("first", stepwise) if turn == 0 else None
+            # the first question: the whole prompt's FullKV (agnostic: its question fed after)
+            key = ("first", protocol == "agnostic", stepwise) if turn == 0 else None
             ref = shared.get(key) or (
                 stepwise,
                 *M.teacher_force(model, make(full.fork(), part), target, None, stepwise),
@@ -935,8 +945,8 @@ def summarize(args, config, out, rows, m, t_start):
         ]
     # None: --report
     config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)
-    # one observation per prompt is shared by `prompt` and `context`; `agnostic` observes its own
-    # (without the question): each is averaged over prompts on its own
+    # one observation per prompt serves every protocol; rows written before it was so record
+    # an own pass for `agnostic` (without the question): each kind is averaged on its own
     seen = {"shared": {}, "agnostic": {}}
     for r in rows:
         if "prefill_s" in r:
@@ -944,7 +954,7 @@ def summarize(args, config, out, rows, m, t_start):
             seen[kind][(r["task"], r["length"], r["index"])] = r["prefill_s"]
     mean = {kind: round(sum(v.values()) / len(v), 2) for kind, v in seen.items() if v}
     config["prefill_s"] = mean.get("shared", mean.get("agnostic", 0.0))
-    if len(mean) == 2:
+    if len(mean) == 2 and mean["agnostic"] != mean["shared"]:
         config["prefill_agnostic_s"] = mean["agnostic"]
     if args.report:                   # a summary is never replaced by one with fewer rows
         lost = run_folder.lost(run_folder.read_json(out / "summary.json").get("rows", []), summary)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 import model as M
 from model import Cache, Hooks, attention_probs
 from support.errors import UsageError
-from support.fast_observe import ATTENTION_STATS, observe_layer
+from support.fast_observe import ATTENTION_STATS, observe_layer, prefix_layer
 from support.files import write_atomic
 
 
@@ -161,30 +161,38 @@ class Method:
 
 
 def observe_layer_naive(q, q_pos, lc, names, window: int, chunk: int = 0,
-                        extra=(), layer: int = 0):
+                        extra=(), layer: int = 0, ends=None):
     """Every requested statistic of one layer from its whole attention matrix, the naive form:
     A (B, H, T, T) = model.attention_probs of the prompt's queries q (B, H, T, D) over its fresh
     cache lc, then the column sums, the window sums and the last row, and each extra statistic
     fed the rows it reads in one piece. support/fast_observe.py computes the same in query
     chunks, never holding A (the default of `observe`; tested equal). chunk: unused here.
-    Returns ({name: (B, H, T)}, {extra name: value})."""
+
+    ends: the prompt lengths e to read statistics for (default T alone). Attention is causal, so
+    the rows i < e of A over keys j < e are the attention of the prefix tokens[:, :e] itself:
+    a prefix's statistics are those of A[:, :, :e, :e] (`observe_prefixes`).
+    Returns {e: ({name: (B, H, e)}, {extra name: value})}."""
     B, H, T, D = q.shape
     names = [k for k in names if k in ATTENTION_STATS]
     A = attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                 # (B, H, T, T) causal
-    out = {}
-    if "colsum" in names:
-        out["colsum"] = A.sum(2)                                           # Σ_{all i} A[h,i,j]
-    if "window" in names:
-        out["window"] = A[:, :, T - min(window, T):].sum(2)              # Σ_{i ≥ T−w} A[h,i,j]
-    if "last" in names:
-        out["last"] = A[:, :, -1]                                          # A[h,T−1,j]
-    values = {}
-    for name, st in extra:
-        lo = st.lowest(T, layer)
-        state = st.begin(q, lc, layer)
-        st.add(state, lo, T, A[:, :, lo:])                                 # rows lo..T−1
-        values[name] = st.end(state)
-    return out, values
+    result = {}
+    for e in ends or (T,):
+        Ae = A[:, :, :e, :e]                                             # (B, H, e, e)
+        out = {}
+        if "colsum" in names:
+            out["colsum"] = Ae.sum(2)                                      # Σ_{all i} A[h,i,j]
+        if "window" in names:
+            out["window"] = Ae[:, :, e - min(window, e):].sum(2)         # Σ_{i ≥ e−w} A[h,i,j]
+        if "last" in names:
+            out["last"] = Ae[:, :, -1]                                     # A[h,e−1,j]
+        values = {}
+        for name, st in extra:
+            lo = st.lowest(e, layer)
+            state = st.begin(q[:, :, :e], prefix_layer(lc, e), layer)
+            st.add(state, lo, e, Ae[:, :, lo:])                            # rows lo..e−1
+            values[name] = st.end(state)
+        result[e] = out, values
+    return result
 
 
 @torch.no_grad()
@@ -194,8 +202,27 @@ def observe(model, tokens, needs: Needs, spy=None, layer_pass=observe_layer):
     (FullKV cache, Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out);
     layer_pass: how a layer's statistics are read off its attention, in query chunks
     (support/fast_observe.py) or `observe_layer_naive`."""
-    L, per_layer = model.config.n_layers, needs.stats or (frozenset(),) * model.config.n_layers
-    obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
+    T = tokens.shape[1]
+    return observe_prefixes(model, tokens, needs, (T,), spy, layer_pass)[T]
+
+
+@torch.no_grad()
+def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=observe_layer):
+    """`observe` of each prefix tokens[:, :e], e in ends, from one prefill of tokens (B, T):
+    {e: (FullKV cache of the prefix, its Observation)}. Attention is causal, so the first e
+    query rows and keys of the prefill are those of the prefix's own prefill: each statistic of
+    a prefix is read over its own rows and keys in the same pass (the `agnostic` protocol's
+    prefix + context within the whole prompt: evaluate.py). The prefix's cache is the first e
+    entries of each layer (views), its last_logits those after token e−1. The extra passes
+    after the prefill (KVzip's reconstruction) run once per prefix: theirs is another prompt."""
+    T, L = tokens.shape[1], model.config.n_layers
+    ends = sorted(set(ends), reverse=True)
+    if not ends or not all(0 < e <= T for e in ends):
+        raise UsageError(f"prefix lengths {ends} must lie in 1..{T}")
+    per_layer = needs.stats or (frozenset(),) * L
+    obs = {e: Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
+           for e in ends}
+    last_logits = {}
 
     unknown = set().union(*per_layer) - set(ATTENTION_STATS) - set(STATISTICS)
     if unknown:
@@ -205,35 +232,44 @@ def observe(model, tokens, needs: Needs, spy=None, layer_pass=observe_layer):
 
     def post_kernel(layer, q, q_pos, lc, out):
         names = per_layer[layer]
-        obs.stats[layer], ex = layer_pass(q, q_pos, lc, names, needs.window, needs.chunk,
-                                          needs.extra, layer)
-        for name in during:
-            if name in names:
-                obs.stats[layer][name] = STATISTICS[name].per_layer(q, q_pos, model, needs)
-        for name, value in ex.items():
-            obs.extra[name][layer] = value
+        read = layer_pass(q, q_pos, lc, names, needs.window, needs.chunk, needs.extra, layer,
+                          ends)
+        for e, (stats, values) in read.items():
+            obs[e].stats[layer] = stats
+            for name in during:
+                if name in names:
+                    stats[name] = STATISTICS[name].per_layer(q[:, :, :e], q_pos[:, :e], model,
+                                                             needs)
+            for name, value in values.items():
+                obs[e].extra[name][layer] = value
         if spy is not None:
             spy(layer, q, q_pos, lc, out)
 
     def final(h):                                 # the final norm's output (B, T, dim)
-        obs.surprisal = M.surprisal(model, h, tokens)
+        for e in ends:
+            if needs.surprisal:
+                obs[e].surprisal = M.surprisal(model, h[:, :e], tokens[:, :e])
+            if e < T:                             # the logits after token e−1, as Llama.step
+                logits = model.lm_head(h[:, e - 1])
+                last_logits[e] = logits if logits.dtype == torch.float64 else logits.float()
 
-    if not needs.surprisal:
-        final = None
-    hooks = (
-        Hooks(post_kernel=post_kernel, final=final)
-        if any(per_layer) or needs.extra or spy or final
-        else None
-    )
+    wanted = any(per_layer) or needs.extra or spy
+    hooks = (Hooks(post_kernel=post_kernel if wanted else None,
+                   final=final if needs.surprisal or ends != [T] else None)
+             if wanted or needs.surprisal or ends != [T] else None)
     full = M.prefill(model, tokens, hooks)
+    caches = {e: full if e == T else
+              Cache([prefix_layer(lc, e) for lc in full.layers], e, last_logits[e])
+              for e in ends}
     for name, st in STATISTICS.items():          # extra passes after the prefill
         layers = [l for l in range(L) if name in per_layer[l]]
         if st.after is not None and layers:
-            t0 = time.perf_counter()
-            for l, value in st.after(model, full, tokens, needs, layers).items():
-                obs.stats[l][name] = value
-            obs.seconds[name] = time.perf_counter() - t0
-    return full, obs
+            for e in ends:
+                t0 = time.perf_counter()
+                for l, value in st.after(model, caches[e], tokens[:, :e], needs, layers).items():
+                    obs[e].stats[l][name] = value
+                obs[e].seconds[name] = time.perf_counter() - t0
+    return {e: (caches[e], obs[e]) for e in ends}
 
 
 def observe_for(model, tokens, methods: list):

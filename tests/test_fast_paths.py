@@ -79,7 +79,7 @@ def test_the_naive_layer_pass_reads_the_whole_matrix():
         seen[layer] = (q, q_pos, lc)
     P.observe(m, x, P.Needs(), spy=spy)
     q, q_pos, lc = seen[1]
-    out, _ = P.observe_layer_naive(q, q_pos, lc, ("colsum", "window", "last"), 6)
+    out, _ = P.observe_layer_naive(q, q_pos, lc, ("colsum", "window", "last"), 6)[x.shape[1]]
     A = M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                # (1, H, T, T)
     Tn = x.shape[1]
     for h in range(A.shape[1]):
@@ -90,6 +90,42 @@ def test_the_naive_layer_pass_reads_the_whole_matrix():
                                                                for i in range(Tn - 6, Tn)),
                                                            abs=1e-12)
             assert out["last"][0, h, j] == A[0, h, Tn - 1, j]
+
+
+@pytest.mark.parametrize("layer_pass", [P.observe_layer, P.observe_layer_naive])
+@pytest.mark.parametrize("b", [T - 7, T - 5, T - 1])
+def test_one_pass_observes_the_prompt_and_its_prefix(layer_pass, b):
+    """One prefill of the whole prompt observes the prefix tokens[:, :b] too (the `agnostic`
+    protocol's prefix + context; polykv.observe_prefixes): its statistics, cache, last logits
+    and surprisal, and every method's kept set and decoded logits, equal those of a prefill of
+    the prefix alone; the whole prompt's equal a prefill observing it alone. b − T of 7, 5 and 1
+    rows: the prefix ends inside a chunk of 5 query rows, at its edge, and one row short."""
+    m = tiny(0)
+    x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(0))
+    methods = {n: make(n, m.config.n_layers) for n in NAMES}
+    needs = replace(P.union([meth.needs(m) for meth in methods.values()], m.config.n_layers),
+                    surprisal=True)
+    both = P.observe_prefixes(m, x[:, :T], needs, (T, b), layer_pass=layer_pass)
+    for e in (T, b):
+        full, obs = both[e]
+        alone_full, alone = P.observe(m, x[:, :e], needs, layer_pass=layer_pass)
+        same_statistics(obs, alone)
+        torch.testing.assert_close(obs.surprisal, alone.surprisal, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(full.last_logits, alone_full.last_logits, rtol=1e-10,
+                                   atol=1e-12)
+        assert full.next_pos == alone_full.next_pos == e
+        for la, lb in zip(full.layers, alone_full.layers):
+            torch.testing.assert_close(la.k, lb.k, rtol=1e-10, atol=1e-12)
+            assert torch.equal(la.pos, lb.pos)
+        for name, meth in methods.items():
+            a, c = meth.compress(m, full, obs), meth.compress(m, alone_full, alone)
+            for la, lc in zip(a.layers, c.layers):
+                assert torch.equal(la.pos, lc.pos), (name, e)      # the same kept sets
+            la = M.decode(m, x[:, e:], a.fork(), meth.decoder)
+            lc = M.decode(m, x[:, e:], c.fork(), meth.decoder)
+            torch.testing.assert_close(la, lc, rtol=1e-8, atol=1e-10)
+    with pytest.raises(M.UsageError, match="prefix lengths"):
+        P.observe_prefixes(m, x[:, :T], needs, (T + 1,))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
