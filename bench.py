@@ -10,7 +10,13 @@
    B = 512 after the 8K prompt next to FullKV at the same 512 + window context;
 3. Hugging Face transformers' decoding at 2K on the same checkpoint, when it is installed
    (optional: never a dependency of the project);
-4. peak resident memory of the process.
+4. peak resident memory of the process;
+5. with `--per-prompt LENGTH` (alone with `--only-per-prompt`): the cost of a reference run's
+   prompt. One fidelity prompt and one prompt of two tasks (the one whose answers are decoded,
+   niah_single_1, and vt) of the 8K run `results/long/` (its README.md has the command), each
+   run by evaluate.run_item with every method, budget and protocol of that run, at LENGTH tokens
+   instead of 8,000; the time split into the shared prefill, KVzip's reconstruction pass, the
+   compressions and decoding, and the whole run's wall time projected from it.
 Each figure is the median of `--repeat` runs; the two prefills of 1. are timed in interleaved
 pairs and their ratio is the median of the pairs' ratios.
 """
@@ -19,6 +25,7 @@ from __future__ import annotations
 import resource
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -136,6 +143,179 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 
+# ----------------------------------------------------------------------------- 5. per prompt
+
+# the reference run of results/long/ (its README.md) as evaluate.py's arguments, less --out and
+# --plot; --length, --fidelity-length, --methods, --threads and --model are set on top of it
+REFERENCE_RUN = [
+    "--split", "test", "--threads", "1", "--budget", "64,128,512",
+    "--protocol", "prompt,context,agnostic",
+    "--methods", "full,streaming,h2o,tova,snapkv,knorm,expected,kvzip-uniform,pyramidkv,adakv,"
+                 "kvzip,random,polykv,polykv-joint,gracekv",
+    "--tasks", "niah_single_1,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe",
+    "--length", "8000", "--samples", "16",
+    "--fidelity-length", "7936", "--fidelity-samples", "16", "--greedy", "niah_single_1",
+    "--cache-dir", str(Path(__file__).resolve().parent / "results" / "long" / "policies"),
+]
+REFERENCE_RANKS = 2         # torchrun --nproc_per_node 2, each rank --threads 1
+FIDELITY_SHORTER = 64       # 7,936 = 8,000 - 64: the fidelity prompt + its 64 forced tokens
+STAND_IN = "vt"             # measured for every task whose answers are not decoded
+
+
+def reference_args(length: int, methods=None, threads=None, model=None):
+    """The reference run's arguments through evaluate.py's own parser, at `length` tokens
+    (fidelity prompts FIDELITY_SHORTER fewer) and, if given, other methods, threads, model."""
+    argv = REFERENCE_RUN + ["--length", str(length),
+                            "--fidelity-length", str(length - FIDELITY_SHORTER)]
+    if methods is not None:
+        argv += ["--methods", methods]
+    if threads is not None:
+        argv += ["--threads", str(threads)]
+    if model is not None:
+        argv += ["--model", model]
+    return E.parse(argv)
+
+
+class Observed:
+    """Within `with`: every polykv.observe_prefixes call (evaluate.run_protocol's one
+    observation of a prompt for all its protocols) recorded as its {prefix length: Observation},
+    the call itself unchanged but for `fuse`."""
+
+    def __init__(self, fuse: bool = True):
+        self.fuse = fuse                     # False: each layer's attention computed twice
+
+    def __enter__(self):
+        self.calls, self.observe = [], P.observe_prefixes
+
+        def recorded(*args, **kw):
+            out = self.observe(*args, **kw, fuse=self.fuse)  # {e: (FullKV cache, Observation)}
+            self.calls.append({e: obs for e, (_, obs) in out.items()})
+            return out
+        P.observe_prefixes = recorded
+        return self
+
+    def __exit__(self, *exc):
+        P.observe_prefixes = self.observe
+
+
+def prompt_split(m, methods, item, rows, calls) -> dict:
+    """Seconds of one prompt's run_item by what its rows and its observation say: prefill (the
+    one shared prefill, every row's prefill_s), recon (the extra passes, once per prefix
+    observed, obs.seconds: KVzip's reconstruction), compress (each compression's compress_s less
+    the extra passes charged to it, evaluate.own_pass); the rest of the wall time is decoding
+    (FullKV's reference and every method's teacher forcing and greedy answer)."""
+    if len(calls) != 1 or len({r["prefill_s"] for r in rows}) != 1:
+        raise RuntimeError(f"{item.task} #{item.index}: {len(calls)} observations, prefill_s "
+                           f"{sorted({r['prefill_s'] for r in rows})}; one of each expected")
+    observed, T = calls[0], item.tokens.shape[1]
+
+    # the prefix a row's observation read: the whole prompt, or under agnostic the prompt
+    # without its question (run_protocol's `seen`)
+    def seen(protocol):
+        return T - item.split[1] if item.split is not None and protocol == "agnostic" else T
+    # one compression per (method, budget, protocol); a prompt without a question is compressed
+    # once and its rows repeat under every protocol
+    once = {(r["method"], r["budget"], r["protocol"] if item.split is not None else None): r
+            for r in rows}
+    compress = 0.0
+    for (name, budget, protocol), r in once.items():
+        charged = E.own_pass(m, methods.get(name, budget), observed[seen(protocol)])
+        compress += r["compress_s"] - charged
+    return {"rows": len(rows), "prefixes": len(observed), "prefill": rows[0]["prefill_s"],
+            "recon": sum(sum(obs.seconds.values()) for obs in observed.values()),
+            "compress": compress}
+
+
+def mean_task_s(n_greedy: int, greedy_s: float, n_other: int, other_s: float) -> float:
+    """Mean seconds of a task prompt of the run: its n_greedy prompts (answers decoded) cost
+    greedy_s each, its n_other prompts other_s each."""
+    # mean = (n_greedy · greedy_s + n_other · other_s) / (n_greedy + n_other)
+    return (n_greedy * greedy_s + n_other * other_s) / (n_greedy + n_other)
+
+
+def project_run(n_task: int, task_s: float, n_fidelity: int, fidelity_s: float,
+                ranks: int) -> float:
+    """Hours of wall time of a run of n_task task prompts of task_s seconds each (the mean) and
+    n_fidelity fidelity prompts of fidelity_s seconds each, dealt evenly to `ranks` ranks that
+    run side by side at the speed each was measured at alone."""
+    # hours = (n_task · task_s + n_fidelity · fidelity_s) / ranks / 3600
+    return (n_task * task_s + n_fidelity * fidelity_s) / ranks / 3600
+
+
+# how the harness observed before one pass served every protocol: `prompt` and `context` in one
+# observation, `agnostic` in another, each layer's attention computed by the model's kernel and
+# again by the statistics' pass (fuse=False)
+HARNESSES = {"now": ((), True), "before": ((("prompt", "context"), ("agnostic",)), False)}
+
+
+def timed_item(m, tok, methods, a, item, harness: str) -> dict:
+    """run_item on one item under `harness` (HARNESSES): {rows, prefixes, prefill, recon,
+    compress, total} summed over its observations (one now; under `before`, a prompt with a
+    question is run as two calls, each observing its own prefix)."""
+    groups, fuse = HARNESSES[harness]
+    groups = [[p for p in g if p in a.protocol] for g in groups] if item.split else []
+    out = {"rows": 0, "prefixes": 0, "prefill": 0.0, "recon": 0.0, "compress": 0.0, "total": 0.0}
+    for protocols in [g for g in groups if g] or [a.protocol]:
+        with Observed(fuse) as seen:
+            t0 = time.perf_counter()
+            rows = E.run_item(m, tok, methods, a.methods, a.budget, item, set(), protocols)
+            out["total"] += time.perf_counter() - t0
+        for k, v in prompt_split(m, methods, item, rows, seen.calls).items():
+            out[k] += v
+    return out
+
+
+def per_prompt(m, tok, a, harnesses=("now",)):
+    """5.: one fidelity prompt, one prompt of the first --greedy task and one of STAND_IN, each
+    run by evaluate.run_item as evaluate.main runs it (the run's items, allowance and methods,
+    PolyKV's policies loaded before the timers), under each harness (HARNESSES; interleaved
+    per prompt), then the run projected from them."""
+    torch.manual_seed(a.seed)
+    items = E.build_items(tok, a, m)
+    a.allowance = E.run_allowance(a, items)
+    methods = E.Methods(m, tok, a)
+    for b in a.budget:
+        for n in a.methods:
+            methods.get(n, b)
+    greedy = a.greedy[0] if a.greedy else a.tasks[0]
+    picks = [("fidelity", "fidelity #0"), (greedy, f"{greedy} #0 (answers decoded)"),
+             (STAND_IN, f"{STAND_IN} #0")]
+    print(f"\nthe cost of a reference run's prompt (results/long/, evaluate.run_item): "
+          f"{len(a.methods)} methods × budgets {','.join(map(str, a.budget))} × protocols "
+          f"{','.join(a.protocol)}, {torch.get_num_threads()} threads")
+    print("| harness | prompt | tokens | rows | prefixes observed | prefill s | KVzip recon s "
+          "| compress s | decoding s | total s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    total = {h: {} for h in harnesses}
+    for task, label in picks:
+        item = next(it for it in items if it.task == task and it.index == 0)
+        for h in harnesses:
+            s = timed_item(m, tok, methods, a, item, h)
+            total[h][task] = s["total"]
+            decoding = s["total"] - s["prefill"] - s["recon"] - s["compress"]
+            print(f"| {h} | {label} | {item.tokens.shape[1]} | {s['rows']} | {s['prefixes']} | "
+                  f"{s['prefill']:.1f} | {s['recon']:.1f} | {s['compress']:.1f} | "
+                  f"{decoding:.1f} | {s['total']:.1f} |", flush=True)
+
+    # the run's prompts: every task × sample × length, and the fidelity ones
+    n_task = len(a.tasks) * a.samples * len(a.length)
+    n_greedy = len([t for t in a.tasks if a.greedy is None or t in a.greedy]) * a.samples * \
+        len(a.length)
+    n_fidelity = a.fidelity_samples * len(a.fidelity_length)
+    for h in harnesses:
+        t = total[h]
+        task_s = mean_task_s(n_greedy, t[greedy], n_task - n_greedy, t[STAND_IN])
+        hours = project_run(n_task, task_s, n_fidelity, t["fidelity"], REFERENCE_RANKS)
+        print(f"\n{h}: mean task prompt ({n_greedy} × {t[greedy]:.1f} s + {n_task - n_greedy} × "
+              f"{t[STAND_IN]:.1f} s) / {n_task} = {task_s:.1f} s; projected run ({n_task} task "
+              f"prompts × {task_s:.1f} s + {n_fidelity} fidelity prompts × {t['fidelity']:.1f} "
+              f"s) / {REFERENCE_RANKS} ranks = {hours:.2f} h at {a.length[0]} tokens")
+    print(f"(the tasks whose answers are not decoded taken to cost what {STAND_IN} does; "
+          f"{REFERENCE_RANKS} ranks × {torch.get_num_threads()} threads per rank (--threads), "
+          "each rank as fast as this process alone, the prompts dealt evenly, the first "
+          "prompt's one-time costs included)")
+
+
 @torch.no_grad()
 def main(argv=None):
     ap = cli.ArgumentParser(description=__doc__.splitlines()[0])
@@ -150,7 +330,24 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=16, help="decoded tokens per measurement")
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--per-prompt", type=int, default=None, metavar="LENGTH",
+                    help="5.: the cost of a prompt of the reference run results/long/ at LENGTH "
+                         "tokens (8000: the run's own) and the run's projected wall time")
+    ap.add_argument("--only-per-prompt", action="store_true",
+                    help="run 5. alone (with --per-prompt)")
+    ap.add_argument("--per-prompt-methods", default=None,
+                    help="methods of 5. (default: the reference run's 15)")
+    ap.add_argument("--before", action="store_true",
+                    help="5. also under the harness as it was: one observation for prompt and "
+                         "context, another for agnostic, the attention computed twice")
     args = ap.parse_args(argv)
+    if args.only_per_prompt and args.per_prompt is None:
+        raise M.UsageError("--only-per-prompt needs --per-prompt LENGTH")
+    if args.per_prompt is not None:
+        cli.at_least(FIDELITY_SHORTER + 1, per_prompt=args.per_prompt)
+    # the reference run's arguments, checked by evaluate.py's parser before any work
+    run = None if args.per_prompt is None else reference_args(
+        args.per_prompt, args.per_prompt_methods, args.threads, args.model)
     cli.at_least(1, steps=args.steps, repeat=args.repeat, threads=args.threads,
                  budget=min(args.budget), length=min(args.length), contexts=min(args.contexts))
     names = cli.split_names(args.methods, "--methods") if args.methods else \
@@ -172,6 +369,8 @@ def main(argv=None):
         f"model {model_name} · {L} layers · "
         f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}"
     )
+    if args.only_per_prompt:
+        return per_prompt(m, tok, run, ("before", "now") if args.before else ("now",))
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
     made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
     for length in args.length:                            # 1. observation and compression
@@ -211,6 +410,8 @@ def main(argv=None):
                  f"theirs = {ms_full[2048] / hf:.2f}"
         )
     print(f"\npeak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GB")
+    if run is not None:                                   # 5. the cost of a reference prompt
+        per_prompt(m, tok, run, ("before", "now") if args.before else ("now",))
 
 
 if __name__ == "__main__":

@@ -815,13 +815,7 @@ def main(argv=None):
     if rank == 0:
         print("config: " + json.dumps(config), flush=True)
     items = build_items(tok, args, m)
-    # equal memory under context / agnostic / later questions: every cache also holds the exact
-    # prefix and questions
-    # prompt: before a later question
-    def free(it):        # the prefix, question, first answer and longest later question
-        gold = it.target.shape[1] if it.target is not None and it.turns else 0
-        return sum(it.split) + gold + max([q.shape[1] for q, _, _ in it.turns] or [0])
-    args.allowance += max([free(it) for it in items if it.split] or [0])
+    args.allowance = run_allowance(args, items)
     rows = [
         r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=not args.report)
     ]
@@ -890,6 +884,17 @@ def main(argv=None):
     rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
     config["prompts"] = str(len(items))
     summarize(args, config, out, rows, m, t_start)
+
+
+def run_allowance(args, items) -> int:
+    """args.allowance grown for equal memory under context / agnostic / later questions: every
+    cache also holds the exact prefix and questions, so by the most tokens a prompt with a
+    question holds exact (its prefix, question, first answer if later questions follow it, and
+    its longest later question)."""
+    def free(it):
+        gold = it.target.shape[1] if it.target is not None and it.turns else 0
+        return sum(it.split) + gold + max([q.shape[1] for q, _, _ in it.turns] or [0])
+    return args.allowance + max([free(it) for it in items if it.split] or [0])
 
 
 # what a summary.json from before run.json leaves out at its default (support/run_folder.py)

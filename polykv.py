@@ -36,7 +36,8 @@ import torch.nn.functional as F
 import model as M
 from model import Cache, Hooks, attention_probs
 from support.errors import UsageError
-from support.fast_observe import ATTENTION_STATS, observe_layer, prefix_layer
+from support.fast_observe import (ATTENTION_STATS, FUSED_ROWS, observe_layer, prefix_layer,
+                                  reads_every_row)
 from support.files import write_atomic
 
 
@@ -207,14 +208,17 @@ def observe(model, tokens, needs: Needs, spy=None, layer_pass=observe_layer):
 
 
 @torch.no_grad()
-def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=observe_layer):
+def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=observe_layer,
+                     fuse: bool = True):
     """`observe` of each prefix tokens[:, :e], e in ends, from one prefill of tokens (B, T):
     {e: (FullKV cache of the prefix, its Observation)}. Attention is causal, so the first e
     query rows and keys of the prefill are those of the prefix's own prefill: each statistic of
     a prefix is read over its own rows and keys in the same pass (the `agnostic` protocol's
     prefix + context within the whole prompt: evaluate.py). The prefix's cache is the first e
     entries of each layer (views), its last_logits those after token e−1. The extra passes
-    after the prefill (KVzip's reconstruction) run once per prefix: theirs is another prompt."""
+    after the prefill (KVzip's reconstruction) run once per prefix: theirs is another prompt.
+    fuse (the fast layer pass on a fast model only): a layer whose statistics read every query
+    row computes its attention output in the same chunks, instead of the model's kernel."""
     T, L = tokens.shape[1], model.config.n_layers
     ends = sorted(set(ends), reverse=True)
     if not ends or not all(0 < e <= T for e in ends):
@@ -230,11 +234,27 @@ def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=obs
                          f"(import the module that defines it, e.g. baselines)")
     during = [n for n, st in STATISTICS.items() if st.per_layer is not None]
 
+    def layer_read(layer, q, q_pos, lc, chunk=needs.chunk, **out):
+        return layer_pass(q, q_pos, lc, per_layer[layer], needs.window, chunk, needs.extra,
+                          layer, ends, **out)
+
+    # the fast path's kernel: where the statistics read every query row, the chunked pass also
+    # computes the layer's attention output, so the attention is computed once, not twice
+    fused = fuse and layer_pass is observe_layer and model.fast
+    read = {}                                     # layer -> what the fused kernel read
+
+    def kernel(layer, q, q_pos, lc):
+        if not reads_every_row(per_layer[layer], needs.extra, layer, lc.size):
+            return None                           # the built-in kernel, then post_kernel's pass
+        out = q.new_empty(q.shape)                                           # (B, H, T, D)
+        read[layer] = layer_read(layer, q, q_pos, lc, min(needs.chunk, FUSED_ROWS),
+                                 attention_out=out)
+        return out
+
     def post_kernel(layer, q, q_pos, lc, out):
         names = per_layer[layer]
-        read = layer_pass(q, q_pos, lc, names, needs.window, needs.chunk, needs.extra, layer,
-                          ends)
-        for e, (stats, values) in read.items():
+        got = read.pop(layer) if layer in read else layer_read(layer, q, q_pos, lc)
+        for e, (stats, values) in got.items():
             obs[e].stats[layer] = stats
             for name in during:
                 if name in names:
@@ -255,7 +275,8 @@ def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=obs
 
     wanted = any(per_layer) or needs.extra or spy
     hooks = (Hooks(post_kernel=post_kernel if wanted else None,
-                   final=final if needs.surprisal or ends != [T] else None)
+                   final=final if needs.surprisal or ends != [T] else None,
+                   kernel=kernel if fused and wanted else None)
              if wanted or needs.surprisal or ends != [T] else None)
     full = M.prefill(model, tokens, hooks)
     caches = {e: full if e == T else

@@ -17,7 +17,10 @@ def causal_probs(q, k, c0: int) -> torch.Tensor:
     (key j at position j, bias 0): model.attention_probs with the mask reduced to the upper
     triangle of the last c×c block, fp32 (fp64 for fp64 inputs). The scale 1/√D goes on the
     queries before the product (exact when D is a power of 4, e.g. 64; else a rounding apart).
-    Tested against it."""
+    In fp32, probabilities below the smallest normal number (1.2e-38) are set to 0 [choice:
+    x86 CPUs compute on subnormal numbers many times slower, and at long prompts many
+    probabilities of a sink-dominated row fall there; no sum of probabilities they enter moves
+    by more than T·1.2e-38]. Tested against it."""
     B, H, c, D = q.shape
     G, c1 = k.shape[1], k.shape[2]
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -31,11 +34,14 @@ def causal_probs(q, k, c0: int) -> torch.Tensor:
             torch.mm(q_grouped[b, group], keys[b, group].T, out=logits[b, group].view(-1, c1))
     tri = torch.ones(c, c, dtype=torch.bool, device=q.device).triu_(1)       # j > i: the future
     logits[..., c0:].masked_fill_(tri, float("-inf"))
-    return torch.softmax(logits, dim=-1).view(B, H, c, c1)
+    p = torch.softmax(logits, dim=-1)
+    if dtype == torch.float32:                          # subnormal probabilities: 0 (above)
+        torch.threshold_(p, torch.finfo(dtype).tiny, 0.0)
+    return p.view(B, H, c, c1)
 
 
 def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer: int = 0,
-                  ends=None):
+                  ends=None, attention_out=None):
     """Every requested statistic of one layer from one pass over its attention.
 
     q (B, H, T, D) are the prompt's queries and lc its fresh FullKV cache (key j at position j,
@@ -45,7 +51,13 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
     length e in ends (default T alone): a prefix tokens[:, :e] reads its rows i < e over its
     keys j < e (causal: A there is the prefix's own attention; the columns j ≥ e of those rows
     are 0). Rows no statistic reads are skipped. Returns {e: ({name: (B, H, e)},
-    {extra name: value})}, as polykv.observe_layer_naive."""
+    {extra name: value})}, as polykv.observe_layer_naive.
+
+    attention_out (B, H, T, D), if given: every query row is read and the layer's attention
+    output A·V written into it chunk by chunk (`model.attention`'s explicit form, softmax in
+    fp32), so the prefill need not compute the layer's attention a second time (the kernel of
+    polykv.observe_prefixes).
+    """
     B, H, T, D = q.shape
     # a fresh prefill's bias is 0 by construction (model.LayerCache.append); it is not read
     # here, which would cost a host synchronisation per layer
@@ -59,13 +71,16 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
         return min([e - 1] + [e - min(window, e)] * ("window" in names)
                    + [statistic.lowest(e, layer) for _, statistic in extra])
     first = {e: lowest(e) for e in ends}
+    start = 0 if attention_out is not None else min(first.values())
     dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     out = {e: {k: q.new_zeros(B, H, e, dtype=dtype) for k in names if k != "last"} for e in ends}
     state = {e: {name: statistic.begin(q[:, :, :e], prefix_layer(lc, e), layer)
                  for name, statistic in extra} for e in ends}
-    for c1 in range(T, min(first.values()), -chunk):
-        c0 = max(min(first.values()), c1 - chunk)
+    for c1 in range(T, start, -chunk):
+        c0 = max(start, c1 - chunk)
         p = causal_probs(q[:, :, c0:c1], lc.k[:, :, :c1], c0)        # (B, H, c, c1)
+        if attention_out is not None:
+            values_times(p, lc.v[:, :, :c1], attention_out[:, :, c0:c1])
         for e in ends:
             if c0 >= e or c1 <= first[e]:
                 continue
@@ -80,10 +95,33 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
                 stats["window"][..., :r1] += pe[:, :, max(0, e - window - r0):].sum(2)  # i ≥ e−w
             if "last" in names and r1 == e:
                 stats["last"] = F.pad(pe[:, :, -1], (0, e - r1))     # A[h,e−1,j]
-            for name, statistic in extra:
-                statistic.add(state[e][name], r0, r1, pe)
+            for name, statistic in extra:     # a chunk holding a row the statistic reads
+                if r1 > statistic.lowest(e, layer):
+                    statistic.add(state[e][name], r0, r1, pe)
     return {e: (out[e], {name: statistic.end(state[e][name]) for name, statistic in extra})
             for e in ends}
+
+
+def values_times(p, v, out):
+    """out (B, H, c, D) = p (B, H, c, c1) · v (B, G, c1, D), p cast to v's dtype first (as
+    model.attention), one (g·c, c1) x (c1, D) product per KV group: v never repeated g times."""
+    B, H, c, c1 = p.shape
+    G = v.shape[1]
+    grouped = p.reshape(B, G, H // G * c, c1)                                # (B, G, g·c, c1)
+    for b in range(B):
+        for group in range(G):
+            rows = torch.mm(grouped[b, group].to(v.dtype), v[b, group])      # (g·c, D)
+            out[b, group * (H // G):(group + 1) * (H // G)] = rows.view(H // G, c, -1)
+
+
+def reads_every_row(names, extra, layer: int, T: int) -> bool:
+    """Whether observe_layer reads every query row of the layer for these statistics (column
+    sums, or an extra statistic from row 0): then computing the attention output in the same
+    chunks costs one more product and spares the prefill's own attention."""
+    return "colsum" in names or any(st.lowest(T, layer) == 0 for _, st in extra)
+
+
+FUSED_ROWS = 128    # query rows per chunk where the pass computes the attention output too
 
 
 def prefix_layer(lc, e: int):

@@ -92,6 +92,36 @@ def test_the_naive_layer_pass_reads_the_whole_matrix():
             assert out["last"][0, h, j] == A[0, h, Tn - 1, j]
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_fused_kernel_is_the_models_attention(seed):
+    """Where the statistics read every query row, the chunked pass computes the layer's
+    attention output too (polykv.observe_prefixes, fuse): that output is model.attention's, the
+    statistics, cache and kept sets those of the pass beside the model's own kernel (fuse=False),
+    and the last logits too, to rounding (fp64). H2O's column sums make every layer fused; the
+    query rows go in several chunks (FUSED_ROWS > T, so needs.chunk = 5 sets them)."""
+    m = tiny(seed)
+    x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(seed))
+    methods = {n: make(n, m.config.n_layers) for n in NAMES}
+    needs = P.union([meth.needs(m) for meth in methods.values()], m.config.n_layers)
+    assert all("colsum" in names for names in needs.stats)
+    outs = {}
+
+    def spy(layer, q, q_pos, lc, out):
+        outs[layer] = out, M.attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos)
+    full, fused = P.observe_prefixes(m, x[:, :T], needs, (T,), spy)[T]
+    plain_full, plain = P.observe_prefixes(m, x[:, :T], needs, (T,), fuse=False)[T]
+    assert len(outs) == m.config.n_layers
+    for out, explicit in outs.values():
+        torch.testing.assert_close(out, explicit, rtol=1e-12, atol=1e-14)
+    same_statistics(fused, plain)
+    torch.testing.assert_close(full.last_logits, plain_full.last_logits, rtol=1e-10, atol=1e-12)
+    for name, meth in methods.items():
+        a, b = meth.compress(m, full, fused), meth.compress(m, plain_full, plain)
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.pos, lb.pos), name
+            torch.testing.assert_close(la.k, lb.k, rtol=1e-10, atol=1e-12)
+
+
 @pytest.mark.parametrize("layer_pass", [P.observe_layer, P.observe_layer_naive])
 @pytest.mark.parametrize("b", [T - 7, T - 5, T - 1])
 def test_one_pass_observes_the_prompt_and_its_prefix(layer_pass, b):

@@ -54,7 +54,9 @@ def test_budget_at_least_T_is_fullkv(rule, T, seed):
     want = M.decode(m, cont, ref)
     pol = policy(rule, T + 4, m, T)
     cache = P.prefill(m, prompt, pol)
-    assert torch.equal(cache.last_logits, first)
+    # the observation's prefill: the model's kernel, or where the statistics read every query
+    # row the chunked pass's own A·V (polykv.observe_prefixes), the same to fp64 rounding
+    assert torch.allclose(cache.last_logits, first, atol=1e-12, rtol=0)
     # rules with a decoder feed the continuation token by token, FullKV in one step:
     # the same attention up to fp64 summation order (MKL blocks by row count)
     assert torch.allclose(M.decode(m, cont, cache, pol.decoder), want, atol=1e-12, rtol=0)
@@ -262,3 +264,23 @@ def test_causal_probs_equal_attention_probs(T, chunk, seed):
         assert torch.allclose(
             causal_probs(q[:, :, c0:c1], k[:, :, :c1], c0), want, atol=1e-14, rtol=0
         )
+
+
+def test_causal_probs_flush_only_subnormal_probabilities():
+    """fp32: a row dominated by one key (logit gaps of 80-110, so that exp lands below the
+    smallest normal number) gives 0 exactly where the explicit attention's probability is
+    subnormal, and the explicit attention's value to fp32 rounding everywhere else."""
+    T, D = 12, 16
+    q = torch.zeros(1, 2, T, D)
+    q[..., 0] = 1.0
+    k = torch.zeros(1, 1, T, D)
+    k[0, 0, :, 0] = torch.linspace(-110.0, 0.0, T) * D ** 0.5          # logits −110 .. 0
+    k[0, 0, 0, 0] = 0.0
+    got = causal_probs(q, k, 0)
+    pos = torch.arange(T).expand(1, T)
+    want = M.attention_probs(q, k, torch.zeros(1, 1, T), pos, pos[:, None, :])
+    tiny = torch.finfo(torch.float32).tiny
+    subnormal = (want > 0) & (want < tiny)
+    assert subnormal.any() and (want >= tiny).sum() > 2 * T      # both kinds occur
+    assert torch.equal(got[subnormal], torch.zeros_like(got[subnormal]))
+    torch.testing.assert_close(got[~subnormal], want[~subnormal], rtol=1e-6, atol=0)
