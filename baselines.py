@@ -160,8 +160,8 @@ def scored_attention(q, lc, span: tuple, rows: int = 256) -> tuple:
                 q_block = q[batch, group * g:(group + 1) * g, c0:c1].to(dtype)
                 q_block = q_block.reshape(g * c, D) / math.sqrt(D)            # (g·c, D)
                 # (g·c, S_seen)
-                logits = torch.mm(q_block, k[batch, group, :S_seen].T) + bias[batch, group, :S_seen]
-                logits = logits.view(g, c, S_seen)
+                logits = torch.mm(q_block, k[batch, group, :S_seen].T)
+                logits = logits.add_(bias[batch, group, :S_seen]).view(g, c, S_seen)
                 logits[:, :, T + c0:].masked_fill_(future, float("-inf"))
                 # one exp serves both softmaxes: e = exp(logit − shift), shift the subset's max
                 # (finite: the subset holds the query's own key), or the max over all keys − 80
@@ -170,7 +170,7 @@ def scored_attention(q, lc, span: tuple, rows: int = 256) -> tuple:
                 if sink:
                     shift = torch.maximum(shift, logits[..., :sink].amax(-1))
                 shift = torch.maximum(shift, logits.amax(-1) - 80)[..., None]     # (g, c, 1)
-                e = (logits - shift).exp_()                                        # (g, c, S_seen)
+                e = logits.sub_(shift).exp_()                          # (g, c, S_seen), in place
                 if dtype == torch.float32:   # subnormal terms: 0 (fast_observe.causal_probs)
                     torch.threshold_(e, torch.finfo(dtype).tiny, 0.0)
                 z_sub = e[..., :sink].sum(-1) + e[..., a:b].sum(-1) + e[..., T:].sum(-1)

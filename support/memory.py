@@ -74,6 +74,7 @@ class Knobs:
     gracekv.Settings) and the budget of the compression stages."""
     budget: int = 512
     chunk: int = 256           # polykv.Needs.chunk: query rows per observation chunk
+    fused_rows: int = 128      # fast_observe.FUSED_ROWS: rows per chunk where A·V is made too
     window: int = 32           # SnapKV's w; GraceKV's r
     future: int = 512          # Expected Attention's future positions
     repeat: tuple = (8, 13, 5)  # KVzip's instruction, later instruction, suffix (tokens)
@@ -143,10 +144,12 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     pass apart): what it keeps, the stream, and the largest of one block's working set, the
     observation hook's and the surprisal's (after the last block)."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
-    c = min(k.chunk, T)
+    c = min(k.chunk, k.fused_rows, T)
     # fast_observe.observe_layer: query rows in descending chunks of c (only the last w rows for the
     # window alone, the last row for TOVA's); the previous chunk's A (H, c, T) alive while the
-    # next chunk's logits and softmax are made: 3 × (H, c, T) in a; GraceKV's group mean
+    # next chunk's logits and softmax are made: 3 × (H, c, T) in a; GraceKV's group mean. Where
+    # every row is read (column sums, GraceKV's sampled layers) the pass makes the layer's
+    # attention output too, in chunks of at most fused_rows rows (polykv.observe_prefixes)
     rows = c if {"colsum", "flow"} & set(needs) else min(k.window, T) if "window" in needs else 1
     chunk = 3 * H * rows * T * a + (G * c * T * a if "flow" in needs else 0)
     if not {"colsum", "window", "last", "flow"} & set(needs):
