@@ -266,9 +266,11 @@ def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=obs
             spy(layer, q, q_pos, lc, out)
 
     def final(h):                                 # the final norm's output (B, T, dim)
+        # −log p(token_t | tokens_<t) reads nothing after t: a prefix's is the prompt's first e
+        surprisal = M.surprisal(model, h, tokens) if needs.surprisal else None
         for e in ends:
-            if needs.surprisal:
-                obs[e].surprisal = M.surprisal(model, h[:, :e], tokens[:, :e])
+            if surprisal is not None:
+                obs[e].surprisal = surprisal[:, :e]
             if e < T:                             # the logits after token e−1, as Llama.step
                 logits = model.lm_head(h[:, e - 1])
                 last_logits[e] = logits if logits.dtype == torch.float64 else logits.float()
