@@ -198,6 +198,12 @@ class LayerCache:
             fields[f] = None if old is None else torch.cat((old, new[f]), 2)
         return LayerCache(**fields)
 
+    def span(self, a: int, b: int) -> "LayerCache":
+        """Entries a..b−1 of a dense layer as views (k, v, pos, bias; a fresh prefill's has no
+        decode state): a prefix of the prompt, or the context's share (support/protocols.cut)."""
+        return LayerCache(self.k[:, :, a:b], self.v[:, :, a:b], self.pos[:, :, a:b],
+                          self.bias[:, :, a:b])
+
     def gather(self, idx: torch.Tensor) -> "LayerCache":
         """Keep entries idx (B, G, S') along S: the only way eviction changes a cache (new,
         compact tensors)."""

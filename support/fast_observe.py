@@ -127,6 +127,4 @@ FUSED_ROWS = 128    # query rows per chunk where the pass computes the attention
 def prefix_layer(lc, e: int):
     """The layer cache of the prefix tokens[:, :e] within a fresh prefill's cache lc (key j at
     position j): its first e entries, views; lc itself when e is all of it."""
-    if e == lc.size:
-        return lc
-    return type(lc)(lc.k[:, :, :e], lc.v[:, :, :e], lc.pos[:, :, :e], lc.bias[:, :, :e])
+    return lc if e == lc.size else lc.span(0, e)

@@ -61,13 +61,9 @@ def cut(full, obs, needs, a: int, b: int):
     observation window its last w, the question's; no context token is protected for being at
     the cut's ends (a question shorter than w leaves the window's rest protected in the
     context). Every method is still charged exactly the budget B per head on the context."""
-    # model.Cache, model.LayerCache
-    Cache, LayerCache = type(full), type(full.layers[0])
+    Cache = type(full)                                                      # model.Cache
     T = full.layers[0].size
-    layers = [
-        LayerCache(lc.k[:, :, a:b], lc.v[:, :, a:b], lc.pos[:, :, a:b], lc.bias[:, :, a:b])
-        for lc in full.layers
-    ]
+    layers = [lc.span(a, b) for lc in full.layers]
 
     def sliced(x):
         """A per-key statistic (..., T) over keys a..b−1 alone; anything else as it is."""
