@@ -79,7 +79,7 @@ class Knobs:
     future: int = 512          # Expected Attention's future positions
     repeat: tuple = (8, 13, 5)  # KVzip's instruction, later instruction, suffix (tokens)
     recon_chunk: int = 2048    # baselines.reconstruct's chunk of the prompt
-    recon_rows: int = 256      # reconstruct's query rows per chunk
+    recon_rows: int = 64       # baselines.scored_attention's query rows per block
     surprisal_chunk: int = 512  # model.surprisal's chunk of positions
     evidence: int = 32         # GraceKV: evidence probes per layer, every `stride`-th query
     stride: int = 4
