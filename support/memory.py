@@ -143,7 +143,7 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     """{term: bytes} at the peak of a prefill observing `needs` (() = the plain prefill; KVzip's
     pass apart): what it keeps, the stream, and the largest of one block's working set, the
     observation hook's and the surprisal's (after the last block)."""
-    L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
+    H, G, D, a, b = s.H, s.G, s.D, s.a, s.b
     c = min(k.chunk, k.fused_rows, T)
     # fast_observe.observe_layer: query rows in descending chunks of c (only the last w rows for the
     # window alone, the last row for TOVA's); the previous chunk's A (H, c, T) alive while the
@@ -191,7 +191,7 @@ def compression(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = Tr
     """{term: bytes} a method's compression adds to what the observation left. host: count the
     Python records of GraceKV's plan (on the CPU they share the memory; a GPU run keeps them
     in the host's memory, not the device's)."""
-    L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
+    L, H, G, D, a = s.L, s.H, s.G, s.D, s.a
     B = min(k.budget, T)
     small = kv(s, B)                                   # the compressed cache
     sel = 4 * G * T * 8       # one layer's scores, their masked copy, flip and sort (fp64, int64)
