@@ -105,7 +105,8 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
     The pass computes each layer's attention itself (`scored_attention`, the model.Hooks kernel):
     one product of its queries with every key gives both the attention the pass runs on
     (softmax over all keys) and A_rec (softmax over the subset), so the scores cost no second
-    product. tests/test_baselines.py writes A_rec out from a plain forward."""
+    product. tests/test_baselines.py writes A_rec out from a plain forward. The pass runs the
+    blocks up to the deepest layer in `layers` only (all of them when `layers` is empty)."""
     if not repeat:
         raise UsageError(
             "kvzip needs the reconstruction prompt: "
@@ -120,6 +121,9 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
         l: torch.zeros(B, model.config.n_heads, T, dtype=dtype, device=tokens.device)
         for l in layers
     }
+    # the blocks after the deepest scored layer are not run: nothing they compute reaches a score
+    # (no layer named: the whole pass, its cost without scores)
+    depth = max(layers) + 1 if layers else model.config.n_layers
     for a in range(0, T, chunk):
         b, sink = min(T, a + chunk), min(n_sink, a)
         lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
@@ -132,7 +136,9 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
             out[layer][..., a:b] = torch.maximum(out[layer][..., a:b], rec)
             return o
 
-        model.step(ids, full.fork(), M.Hooks(kernel=kernel), last_only=True)
+        pos = torch.arange(full.next_pos, full.next_pos + ids.shape[1], device=ids.device)
+        M.run_layers(model, model.embed_tokens(ids), pos.expand(B, -1), full.fork().layers,
+                     hooks=M.Hooks(kernel=kernel), end=depth)
     return out
 
 

@@ -541,12 +541,12 @@ class Llama(nn.Module):
 # ----------------------------------------------------------------------------- prefill / decode
 
 def run_layers(model: Llama, x, pos, caches: list, start: int = 0, hooks: Optional[Hooks] = None,
-               streams: Optional[list] = None) -> torch.Tensor:
-    """Blocks start..L−1 on the hidden stream x (B, T, dim) at positions pos (B, T), block l
-    attending to caches[l] (LayerCache) plus the new tokens; the caches are not rebound, so a
-    shared FullKV prefill stays as it was. streams: if given, receives the stream entering each
-    block. Returns the last block's output (B, T, dim), before the final norm."""
-    L = model.config.n_layers
+               streams: Optional[list] = None, end: Optional[int] = None) -> torch.Tensor:
+    """Blocks start..end−1 (end: L if None) on the hidden stream x (B, T, dim) at positions pos
+    (B, T), block l attending to caches[l] (LayerCache) plus the new tokens; the caches are not
+    rebound, so a shared FullKV prefill stays as it was. streams: if given, receives the stream
+    entering each block. Returns the last block's output (B, T, dim), before the final norm."""
+    L = model.config.n_layers if end is None else end
     facts = [None] * L                     # the fused kernel's facts of every layer: one read
     if model.fast:
         facts[start:] = fast_attention.step_facts(caches[start:L], pos)

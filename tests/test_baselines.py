@@ -103,6 +103,10 @@ def test_kvzip_scores_equal_naive_reconstruction(T, chunk, seed):
                     for i, j in enumerate(cols[:len(keys)]):
                         if j >= a:
                             want[l, h, j] = max(want[l, h, j], p[i])
+    # the first layer alone: the pass stops after it, its scores the same
+    first = BL.reconstruct(m, full, x, REPEAT, [0], n_sink, chunk, overlap)
+    assert list(first) == [0]
+    torch.testing.assert_close(first[0][0], want[0], rtol=1e-9, atol=1e-12)
     for l in range(cfg.n_layers):
         torch.testing.assert_close(got[l][0], want[l], rtol=1e-9, atol=1e-12)
         assert torch.equal(full.layers[l].k, before[l])
