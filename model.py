@@ -553,7 +553,10 @@ def run_layers(model: Llama, x, pos, caches: list, start: int = 0, hooks: Option
     for l in range(start, L):
         if streams is not None:
             streams.append(x)
-        x, _ = model.layers[l](x, pos, caches[l], model.inv_freq, l, hooks, model.fast, facts[l])
+        # the block's grown cache (its second value) is dropped at once, not held while the
+        # next block runs
+        block = model.layers[l]
+        x = block(x, pos, caches[l], model.inv_freq, l, hooks, model.fast, facts[l])[0]
     return x
 
 

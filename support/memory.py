@@ -167,20 +167,22 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
             "working set": max(layer_pass(s, T), hook, final)}
 
 
-def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs()) -> dict:
+def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs(), unscored: bool = False) -> dict:
     """{term: bytes} KVzip's reconstruction pass adds to the observation (baselines.reconstruct):
     per chunk of the prompt a fork of the FullKV cache is fed n new tokens; where the buffer's
-    room is short of n, every layer's cache is copied into a bigger one (fast_cache.append), all
-    held until the step ends; then the largest of the step's block working set and its
+    room is short of n (or, from the second chunk on, taken by the first chunk's in-place
+    append), a layer's cache is copied into a bigger one (fast_cache.append) while its block
+    runs, one layer at a time (model.run_layers keeps none); then the largest of the step's
+    block working set and its
     attention kernel (baselines.scored_attention): per block of rows queries and KV group the
     logits and their exponentials (g, rows, T + n) in a, the output (H, n, D) in a, and the
     keys, values and bias in a where the model's dtype is another; the scores it keeps
-    (L, H, T). (A layer the pass does not score runs the model's kernel, whose mask
-    (n, T + n) is counted too.)"""
+    (L, H, T). unscored: some layer the pass runs is not scored (a PolyKV policy's) and runs
+    the model's kernel, whose mask (n, T + n) is counted too."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     n = k.repeat[0] + k.repeat[2] + min(k.recon_chunk, T)
-    copy = kv(s, room(T + n)) if n > room(T) - T else 0
-    mask = n * (T + n) * (a + 2 + (b if b != a else 0))
+    copy = kv(s, room(T + n)) // L if n > room(T) - T or T > k.recon_chunk else 0   # 1 layer
+    mask = n * (T + n) * (a + 2 + (b if b != a else 0)) if unscored else 0
     widened = (2 * D + 1) * G * (T + n) * a if b != a else 0
     kernel = 2 * (H // G) * min(k.recon_rows, n) * (T + n) * a + H * n * D * a + widened
     return {"scores": L * H * T * a, "copied cache": copy, "stream": stream(s, n),
@@ -248,7 +250,9 @@ def pipeline(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = True)
     first = [n for n in needs if n != "recon"]         # KVzip's scores come with its pass
     peak = sum(observation(s, T, first, k).values())
     if "recon" in needs:
-        peak = max(peak, sum(held(s, T, first, k).values()) + sum(kvzip_pass(s, T, k).values()))
+        # KVzip scores every layer; a PolyKV policy only its KVzip layers
+        recon = kvzip_pass(s, T, k, unscored=name == "polykv")
+        peak = max(peak, sum(held(s, T, first, k).values()) + sum(recon.values()))
     after = sum(held(s, T, needs, k).values()) + sum(compression(s, T, name, k, host).values())
     return max(peak, after)
 
