@@ -173,12 +173,11 @@ def kvzip_pass(s: Shape, T: int, k: Knobs = Knobs(), unscored: bool = False) -> 
     room is short of n (or, from the second chunk on, taken by the first chunk's in-place
     append), a layer's cache is copied into a bigger one (fast_cache.append) while its block
     runs, one layer at a time (model.run_layers keeps none); then the largest of the step's
-    block working set and its
-    attention kernel (baselines.scored_attention): per block of rows queries and KV group the
-    logits and their exponentials (g, rows, T + n) in a, the output (H, n, D) in a, and the
-    keys, values and bias in a where the model's dtype is another; the scores it keeps
-    (L, H, T). unscored: some layer the pass runs is not scored (a PolyKV policy's) and runs
-    the model's kernel, whose mask (n, T + n) is counted too."""
+    block working set and its attention kernel (baselines.scored_attention): per block of rows
+    queries and KV group the logits and their exponentials (g, rows, T + n) in a, the output
+    (H, n, D) in a, and the keys, values and bias in a where the model's dtype is another; the
+    scores it keeps (L, H, T). unscored: some layer the pass runs is not scored (a PolyKV
+    policy's) and runs the model's kernel, whose mask (n, T + n) is counted too."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     n = k.repeat[0] + k.repeat[2] + min(k.recon_chunk, T)
     copy = kv(s, room(T + n)) // L if n > room(T) - T or T > k.recon_chunk else 0   # 1 layer
