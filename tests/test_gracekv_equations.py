@@ -136,7 +136,7 @@ def test_eq5_boundary_score(T, seed):
     for i in range(Tc):
         vals = [kk[i] for kk in kappas]
         kappa.append(statistics.fmean(vals) - s.lambda_stab * statistics.pstdev(vals))
-    logp = torch.log_softmax(m.forward(x), -1)[0]                             # (T, V)
+    logp = torch.log_softmax(m.forward(x), -1)[0].detach()                    # (T, V)
     surprisal = [0.0] + [-float(logp[t - 1, x[0, t]]) for t in range(1, T)]
     b = [zk + s.lambda_s * zs for zk, zs in zip(robust_z(kappa), robust_z(surprisal[:Tc]))]
     got = GK.slot_bends(m, full, Tc, s, torch.float64, flow.surprisal)
