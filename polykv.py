@@ -36,8 +36,7 @@ import torch.nn.functional as F
 import model as M
 from model import Cache, Hooks, attention_probs
 from support.errors import UsageError
-from support.fast_observe import (ATTENTION_STATS, FUSED_ROWS, observe_layer, prefix_layer,
-                                  reads_every_row)
+from support.fast_observe import ATTENTION_STATS, fused_kernel, observe_layer, prefix_layer
 from support.files import write_atomic
 
 
@@ -238,18 +237,11 @@ def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=obs
         return layer_pass(q, q_pos, lc, per_layer[layer], needs.window, chunk, needs.extra,
                           layer, ends, **out)
 
-    # the fast path's kernel: where the statistics read every query row, the chunked pass also
-    # computes the layer's attention output, so the attention is computed once, not twice
+    # the fast path's kernel (support/fast_observe.fused_kernel): where the statistics read every
+    # query row, the chunked pass also computes the layer's attention output, so the attention
+    # is computed once, not twice
     fused = fuse and layer_pass is observe_layer and model.fast
     read = {}                                     # layer -> what the fused kernel read
-
-    def kernel(layer, q, q_pos, lc):
-        if not reads_every_row(per_layer[layer], needs.extra, layer, lc.size):
-            return None                           # the built-in kernel, then post_kernel's pass
-        out = q.new_empty(q.shape)                                           # (B, H, T, D)
-        read[layer] = layer_read(layer, q, q_pos, lc, min(needs.chunk, FUSED_ROWS),
-                                 attention_out=out)
-        return out
 
     def post_kernel(layer, q, q_pos, lc, out):
         names = per_layer[layer]
@@ -278,7 +270,8 @@ def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=obs
     wanted = any(per_layer) or needs.extra or spy
     hooks = (Hooks(post_kernel=post_kernel if wanted else None,
                    final=final if needs.surprisal or ends != [T] else None,
-                   kernel=kernel if fused and wanted else None)
+                   kernel=fused_kernel(per_layer, needs, layer_read, read)
+                   if fused and wanted else None)
              if wanted or needs.surprisal or ends != [T] else None)
     full = M.prefill(model, tokens, hooks)
     caches = {e: full if e == T else

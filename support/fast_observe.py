@@ -124,6 +124,22 @@ def reads_every_row(names, extra, layer: int, T: int) -> bool:
 FUSED_ROWS = 128    # query rows per chunk where the pass computes the attention output too
 
 
+def fused_kernel(per_layer: list, needs, layer_read, read: dict):
+    """polykv.observe_prefixes' model.Hooks kernel on the fast path: where a layer's statistics
+    (per_layer[layer], needs.extra) read every query row, layer_read(layer, q, q_pos, lc, chunk,
+    attention_out=out) reads them and writes the layer's attention output into out, in chunks
+    of at most FUSED_ROWS rows; what it read goes to read[layer] for the post-kernel hook.
+    Elsewhere None: the model's own kernel, then the post-kernel hook's pass."""
+    def kernel(layer, q, q_pos, lc):
+        if not reads_every_row(per_layer[layer], needs.extra, layer, lc.size):
+            return None
+        out = q.new_empty(q.shape)                                           # (B, H, T, D)
+        read[layer] = layer_read(layer, q, q_pos, lc, min(needs.chunk, FUSED_ROWS),
+                                 attention_out=out)
+        return out
+    return kernel
+
+
 def prefix_layer(lc, e: int):
     """The layer cache of the prefix tokens[:, :e] within a fresh prefill's cache lc (key j at
     position j): its first e entries, views; lc itself when e is all of it."""
