@@ -1,7 +1,8 @@
 """The baselines newer than PolyKV's pattern pool that a 2026 reader compares with, each
-written the way a new rule is added (README, "Add your own rule"): a scoring function registered
-in polykv's rule registry (so PolyKV's calibration pool holds it too) and, where it reads more
-than the prompt's own attention, the statistic it observes (polykv.statistic).
+written the way a new rule is added (README, "Add your own rule"): a scoring function and its
+record in the table `RULES` (polykv's rules and these: the table the harness and PolyKV's
+calibration pool read) and, where it reads more than the prompt's own attention, the statistic
+it computes (a polykv.Statistic in its record).
 
  1. K-norm (Devoto et al. 2024): keep the keys of lowest L2 norm.
  2. Expected Attention (Devoto et al. 2025): the attention future queries are expected to pay,
@@ -31,7 +32,6 @@ from support.errors import UsageError
 
 # ============================================================================= 1. K-norm
 
-@P.rule("knorm")
 def knorm(x: P.ScoreInput):
     """K-norm (Devoto et al. 2024, "A Simple and Effective L2 Norm-Based Strategy for KV Cache
     Compression"; kvpress `KnormPress`): keys with a *low* L2 norm draw more attention, so
@@ -70,10 +70,6 @@ def expected_queries(q, q_pos, model, needs: P.Needs):
     return query_stats(q, q_pos, model.inv_freq, needs.n_sink, needs.future)
 
 
-P.statistic("queries", per_layer=expected_queries)
-
-
-@P.rule("expected", needs={"queries"})
 def expected(x: P.ScoreInput):
     """Expected Attention (Devoto et al. 2025, "Expected Attention: KV Cache Compression by
     Estimating Attention from Future Queries Distribution"; kvpress `ExpectedAttentionPress`):
@@ -81,7 +77,7 @@ def expected(x: P.ScoreInput):
     query head a softmax of that logit over the keys past the sinks, group mean, × ‖v_j‖;
     sinks kept."""
     B, G, T = x.shape
-    n = x.n_sinks(x.settings.n_sink)     # the prompt's first n_sink tokens among these keys
+    n = x.before(x.settings.n_sink)      # the prompt's first n_sink tokens among these keys
     # (B, H, D), (B, H, D, D)
     mu, cov = x.stats["queries"]
     H, D = mu.shape[1:]
@@ -197,10 +193,6 @@ def kvzip_scores(model, full: Cache, tokens, needs: P.Needs, layers: list) -> di
     return reconstruct(model, full, tokens, needs.repeat, layers, needs.n_sink)
 
 
-P.statistic("recon", after=kvzip_scores)
-
-
-@P.rule("kvzip", needs={"recon"})
 def kvzip(x: P.ScoreInput):
     """KVzip (Kim et al. 2025; kvpress `KVzipPress`): s_j = max over the group of `recon`, the
     most attention j receives while the model repeats the prompt; sinks kept; query-agnostic.
@@ -208,6 +200,20 @@ def kvzip(x: P.ScoreInput):
     B, G, T = x.shape
     recon = x.stats["recon"]
     return recon.view(B, G, recon.shape[1] // G, T).amax(2), x.sinks(x.settings.n_sink)
+
+
+# ============================================================================= the rule table
+
+# Every rule this project has: the paper's design space (polykv.RULES) and the three above, each
+# with the statistics it reads. Adding a rule is one function and one line here.
+RULES = {
+    **P.RULES,
+    "knorm": P.Rule(knorm),
+    "expected": P.Rule(expected, frozenset({"queries"}),
+                       computed=(("queries", P.Statistic(per_layer=expected_queries)),)),
+    "kvzip": P.Rule(kvzip, frozenset({"recon"}),
+                    computed=(("recon", P.Statistic(after=kvzip_scores)),)),
+}
 
 
 # ========================================================================= 4. head-wise allocations
@@ -221,7 +227,7 @@ ALLOCATIONS = {"adakv": ("snapkv", "layer", 0.2),     # Feng et al. 2024; kvpres
 
 def allocation(name: str) -> Optional[tuple]:
     """(rule, scope, α) of an allocation name, None if `name` is not one."""
-    if name.startswith("adakv-") and name[6:] in P.RULES:
+    if name.startswith("adakv-") and name[6:] in RULES:
         return (name[6:],) + ALLOCATIONS["adakv"][1:]
     return ALLOCATIONS.get(name)
 
@@ -241,10 +247,15 @@ class Headwise(P.Method):
     scope: str = "layer"
     alpha: float = 0.2
     settings: P.RuleSettings = field(default_factory=P.RuleSettings)
+    # the table `rule` is in: RULES if None
+    rules: Optional[dict] = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self):
+        self.rules = RULES if self.rules is None else self.rules
 
     def needs(self, model) -> P.Needs:
         return P.Policy.uniform(
-            self.rule, self.budget, model.config.n_layers, "append", self.settings
+            self.rule, self.budget, model.config.n_layers, "append", self.settings, self.rules
         ).needs(model)
 
     def compress(self, model, full: Cache, obs: P.Observation) -> Cache:
@@ -254,7 +265,8 @@ class Headwise(P.Method):
         dev = full.layers[0].k.device        # the selection runs where the scores are
         scores = []
         for l, lc in enumerate(full.layers):
-            score, protected = P.score(self.rule, P.score_input(obs, full, l, self.settings))
+            x = P.score_input(obs, full, l, self.settings)
+            score, protected = P.score(self.rule, x, self.rules)
             score = score[0].double().to(dev).masked_fill(protected.to(dev), float("inf"))  # (G, T)
             if self.alpha > 0:        # the safeguard: each head's top n_safe cannot lose
                 n_safe = max(1, int(self.budget * self.alpha))

@@ -8,13 +8,14 @@ phase φ ∈ {prefill, decode} an eviction pattern r_{l,φ} and a budget b_{l,φ
 (polykv.Policy).
 
 Read top to bottom: the calibration set, the signals (one FullKV reference pass, then one probe
-per layer and rule), the construction (pattern choice, budget allocation), the procedure, the
-paper's ablations (its rules alone, its budgets alone, its prefill phase alone), the placement
-control of the paper's later version (`placement_control`, `--shuffle N`) and the command line.
-What is not the paper lives beside it: the joint calibration that scores each choice with the
-other layers compressed (calibrate_joint.py), the cache of calibrated files and the PolyKV rows
-of the harness (policy_cache.py), the tables and plots of a policy file
-(support/policy_tables.py).
+per layer and rule), the construction (pattern choice, budget allocation), the procedure and
+its command line. The pool is an argument (`rules`: a rule table, baselines.RULES by default);
+the observation is the naive one (polykv.observe) unless the engine hands in its shared pass.
+What is not the paper lives in the engine (engine/): the paper's ablations and the uniform
+baselines the harness compares with (engine/calibration.py), the placement control of the
+paper's later version and the tables and plots of a policy file (engine/policy_tables.py), the
+joint calibration that scores each choice with the other layers compressed
+(engine/calibrate_joint.py), the cache of calibrated files (engine/policy_cache.py).
 
 Notation: B the average budget, T prompt tokens, n continuation tokens, H query heads,
 D head dim, L layers, s_l a layer's budget-sensitivity signal.
@@ -41,13 +42,11 @@ rounded.
   occurs at an even position); the test split uses the even ones, so none is scored later.
   Defaults: 2 passages of T = 2,048 tokens (`PROMPT_LEN`; at 8K the paper's procedure needs 8K
   prompts, docs/results-8k.md) + n = 64 held-out tokens; the seed picks the offset. Cost: 2
-  prefills + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool) + |pool|·2
-  uniform runs (4x at 8K).
+  prefills + L·(|pool| + 3)·2 single-layer probes (600 with the 7-rule pool).
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
-- Pool: every registered rule but the random floor (`polykv.pool()`: streaming, h2o, tova,
-  snapkv, knorm, expected, kvzip, and any rule registered later), all probed at the same budget
-  B. Not pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the
+- Pool: every rule of the table but the random floor (`polykv.pool(baselines.RULES)`:
+  streaming, h2o, tova, snapkv, knorm, expected, kvzip), all probed at the same budget B. Not pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the
   allocation side.
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
   chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
@@ -57,9 +56,6 @@ rounded.
   evicts only later): so the decode total stays L·B however long the generation. With the
   entropy signal both phases get the same budgets, so every layer evicts from the first
   generated token on and never exceeds b_l.
-- Uniform baselines (the best single rule, for the budget-only ablation): every rule compresses
-  the prompt to B, then *appends* the n tokens, so all hold the same L·G·(B + n) entries
-  (`uniform_run`, equal memory as in the harness).
 - b_min = ⌊B/4⌋; budgets capped at T (the calibration prompt length).
 - Fast path: a probe leaves layers < l untouched, so it starts from the continuation's FullKV
   input to layer l (kept from one reference pass), runs layer l (token by token when its decode
@@ -68,24 +64,21 @@ rounded.
 """
 from __future__ import annotations
 
-import json
 import math
-import random
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-import baselines  # noqa: F401  (K-norm, Expected Attention, KVzip: rules of the pool)
+import baselines
 import model as M
 import polykv
 from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings
 from support import cli, tasks
 from support.errors import UsageError
-from support.files import write_atomic
-from support.policy_tables import describe, placement, plot
 
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
 TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
@@ -127,10 +120,11 @@ def with_prompt(settings: RuleSettings, tok) -> RuleSettings:
 
 
 def set_meta(
-    model, tok, texts, budget: int, seed: int, model_name: str, needles: int, b_min=None
+    model, tok, texts, budget: int, seed: int, model_name: str, needles: int, b_min=None,
+    rules: dict = baselines.RULES,
 ) -> tuple:
     """(T, n, meta) of a calibration set, checked: the shortest prompt and continuation, and what
-    a policy file records about the set."""
+    a policy file records about the set (rules: the table whose pool is probed)."""
     T, n = min(len(p) for p, _ in texts), min(len(c) for _, c in texts)
     check_args(budget, len(texts), T, n, b_min)
     # one line, before any probe
@@ -141,7 +135,7 @@ def set_meta(
         )
     return T, n, {"model": model_name, "seed": seed, "calibration": {
         "source": TEXT if tok else "given", "n_prompts": len(texts), "prompt_len": T, "cont_len": n,
-        "needles": needles, "pool": list(polykv.pool())}}
+        "needles": needles, "pool": list(polykv.pool(rules))}}
 
 
 # ----------------------------------------------------------------------------- signals
@@ -160,16 +154,27 @@ def _nll(model, x, cont) -> float:
     return float(F.cross_entropy(logits[0, :-1], cont[0, 1:], reduction="sum"))
 
 
+def observe_naive(model, tokens, methods: list) -> tuple:
+    """The naive observation (polykv.observe) of what several methods need: per layer the union
+    of their statistics."""
+    needs = [m.needs(model) for m in methods]
+    stats = tuple(frozenset().union(*per_layer) for per_layer in zip(*(n.stats for n in needs)))
+    computed = {name: st for n in needs for name, st in n.computed}
+    return polykv.observe(model, tokens, replace(needs[0], stats=stats,
+                                                 computed=tuple(computed.items())))
+
+
 @torch.no_grad()
-def reference(model, prompt, cont, settings: RuleSettings) -> dict:
+def reference(model, prompt, cont, settings: RuleSettings, rules: dict = baselines.RULES,
+              observe=None) -> dict:
     """One FullKV prefill of prompt (1, T) with every pool statistic, then the continuation
     cont (1, n) under FullKV, one layer at a time: each layer's input x_l (1, n, dim), its
     attention output (1, H, n, D), its attention entropy, the continuation's NLL and the last
-    layer's output `last` (1, n, dim)."""
+    layer's output `last` (1, n, dim). observe(model, tokens, methods) -> (full, obs): the
+    prefill observed for all the pool's rules (`observe_naive`, or the engine's shared pass)."""
     L = model.config.n_layers
-    # every pool rule's needs
-    pool = [Policy.uniform(r, 1, L, settings=settings) for r in polykv.pool()]
-    full, obs = polykv.observe_for(model, prompt, pool)
+    pool = [Policy.uniform(r, 1, L, settings=settings, rules=rules) for r in polykv.pool(rules)]
+    full, obs = (observe or observe_naive)(model, prompt, pool)
     T, n = prompt.shape[1], cont.shape[1]
     pos = torch.arange(T, T + n, device=cont.device)[None]                   # (1, n)
     rec = {}
@@ -190,11 +195,11 @@ def reference(model, prompt, cont, settings: RuleSettings) -> dict:
 
 
 def probe_policy(L: int, layer: int, prefill: tuple, decode: tuple, budget: int,
-                 settings: RuleSettings = RuleSettings()) -> Policy:
+                 settings: RuleSettings = RuleSettings(), rules: dict = baselines.RULES) -> Policy:
     """Only `layer` compressed (prefill (rule, b), decode (rule, b)); every other layer FullKV."""
     keep = LayerPolicy(("full", budget), ("append", budget))
     return Policy([LayerPolicy(prefill, decode) if l == layer else keep for l in range(L)],
-                  budget, settings)
+                  budget, settings, rules=rules)
 
 
 @torch.no_grad()
@@ -213,7 +218,7 @@ def probe(model, ref: dict, layer: int, policy: Policy):
     ys = []
     for s in steps:
         y, lc = model.layers[layer](
-            x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.fast
+            x[:, s], pos[:, s], lc, model.inv_freq, layer, hooks, model.speed
         )
         ys.append(y)
     # FullKV above (1, n, dim)
@@ -221,86 +226,66 @@ def probe(model, ref: dict, layer: int, policy: Policy):
     return cosine(torch.cat(seen, 2), ref["out"][layer]), _nll(model, x, ref["cont"])
 
 
-def measure(model, pairs, budget: int, preference: str = "cosine",
-            settings: RuleSettings = RuleSettings(), log=None) -> dict:
-    """Every signal, JSON-ready. pairs: [(prompt_ids, cont_ids)]; the decode probes use the
-    prefill rules chosen by `preference`."""
-    L, dev = model.config.n_layers, model.device
-    log = log or quiet
+def references(model, pairs, settings: RuleSettings, rules: dict = baselines.RULES,
+               observe=None, log=None) -> list:
+    """`reference` of every (prompt_ids, cont_ids) of the calibration set."""
     refs = []
     for i, (prompt, cont) in enumerate(pairs):
         t0 = time.time()
-        prompt_ids, cont_ids = torch.tensor([prompt], device=dev), torch.tensor([cont], device=dev)
-        refs.append(reference(model, prompt_ids, cont_ids, settings))
-        log(
-            f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(prompt)} + {len(cont)} tokens "
-            f"({time.time() - t0:.0f} s)"
-        )
-    count = sum(len(c) - 1 for _, c in pairs)
+        x = torch.tensor([prompt], device=model.device)                        # (1, T)
+        c = torch.tensor([cont], device=model.device)                          # (1, n)
+        refs.append(reference(model, x, c, settings, rules, observe))
+        (log or quiet)(f"prompt {i + 1}/{len(pairs)}: FullKV prefill of {len(prompt)} + "
+                       f"{len(cont)} tokens ({time.time() - t0:.0f} s)")
+    return refs
 
-    def ppl(nll):                                                            # PPL = exp(mean NLL)
+
+def perplexity(refs: list):
+    """PPL = exp(mean NLL) over the calibration set's predicted continuation tokens, as a
+    function of an NLL sum over the same tokens."""
+    count = sum(r["cont"].shape[1] - 1 for r in refs)
+
+    def ppl(nll: float) -> float:
         return math.exp(nll / count)
+    return ppl
+
+
+def measure(model, refs: list, budget: int, preference: str = "cosine",
+            settings: RuleSettings = RuleSettings(), rules: dict = baselines.RULES,
+            log=None) -> dict:
+    """Every signal, JSON-ready, from the reference passes `refs` (`references`): the prefill
+    probes of the pool, then the decode probes under the prefill rules chosen by `preference`."""
+    L = model.config.n_layers
+    ppl = perplexity(refs)
     ppl_full = ppl(sum(r["nll"] for r in refs))
     sig = {"entropy": [sum(r["entropy"][l] for r in refs) / len(refs) for l in range(L)],
            "ppl_full": ppl_full}
 
-    def run(phase, rules, prefill_of):
+    def run(phase, pool, prefill_of):
         t0 = time.time()
-        cosine, dppl = {r: [] for r in rules}, {r: [] for r in rules}
+        cosine, dppl = {r: [] for r in pool}, {r: [] for r in pool}
         for l in range(L):
-            if l and l % 5 == 0:
-                eta = (time.time() - t0) / l * (L - l)
-                log(
-                    f"{phase} probes: layer {l}/{L}, {time.time() - t0:.0f} s, ETA {eta:.0f} s "
-                    f"for this phase"
-                )
-            for r in rules:
+            for r in pool:
                 pre, dec = (r, budget), ("append", budget)
                 if phase == "decode":
                     pre, dec = (prefill_of[l], budget), (r, budget)
-                results = [
-                    probe(model, ref, l, probe_policy(L, l, pre, dec, budget, settings))
-                    for ref in refs
-                ]
+                policy = probe_policy(L, l, pre, dec, budget, settings, rules)
+                results = [probe(model, ref, l, policy) for ref in refs]
                 cosine[r].append(sum(cos for cos, _ in results) / len(results))
                 dppl[r].append(ppl(sum(nll for _, nll in results)) - ppl_full)
-        log(
-            f"{phase} probes: {L} layers x {len(rules)} rules x {len(refs)} prompts "
-            f"({time.time() - t0:.0f} s)"
-        )
+        (log or quiet)(f"{phase} probes: {L} layers x {len(pool)} rules x {len(refs)} prompts "
+                       f"({time.time() - t0:.0f} s)")
         return {"cosine": cosine, "dppl": dppl}
 
-    pool = polykv.pool()
+    pool = polykv.pool(rules)
     sig["prefill"] = run("prefill", pool, None)
     sig["decode_probe_prefill"] = best_rules(sig["prefill"], pool, preference)
     sig["decode"] = run("decode", polykv.decode_pool(), sig["decode_probe_prefill"])
-    # the uniform baselines on the same text (every layer compressed), so that the harness's
-    # budget-only ablation can take the best single rule without seeing eval data
-    t0 = time.time()
-    sig["uniform_dppl"], sig["uniform_memory"] = {}, UNIFORM_MEMORY
-    for r in pool:
-        nll = sum(uniform_run(model, ref, r, budget, settings)[0] for ref in refs)
-        sig["uniform_dppl"][r] = ppl(nll) - ppl_full
-    log(f"uniform baselines: {len(pool)} rules x {len(refs)} prompts ({time.time() - t0:.0f} s)")
     return sig
 
 
-# at equal memory: how the calibration's uniform baselines run (a policy file records it)
-UNIFORM_MEMORY = "equal: every rule appends the continuation"
-
-
-@torch.no_grad()
-def uniform_run(model, ref: dict, rule: str, budget: int, settings: RuleSettings) -> tuple:
-    """(NLL sum, cache after the continuation): every layer's prompt compressed by `rule` to
-    `budget`, then the continuation teacher-forced with every rule *appending* (no decode-time
-    eviction), so each holds L·G·(B + n) entries at the end whatever its own decode form: the
-    rules compete at equal memory, as in the harness (docs/protocol.md)."""
-    uniform = Policy.uniform(rule, budget, model.config.n_layers, decode="append",
-                             settings=settings)
-    cache = uniform.compress(model, ref["full"], ref["obs"])
-    logits = M.decode(model, ref["cont"], cache)                          # (1, n, V)
-    nll = float(F.cross_entropy(logits[0, :-1], ref["cont"][0, 1:], reduction="sum"))
-    return nll, cache
+def quiet(*_):
+    """A log that prints nothing."""
 
 
 # ----------------------------------------------------------------------------- construction
@@ -363,7 +348,7 @@ def sensitivity_of(sig: dict, phase: str, sensitivity: str) -> list:
 
 def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str = "entropy",
           b_min=None, cap: int = None, settings: RuleSettings = RuleSettings(),
-          meta: dict = None) -> Policy:
+          meta: dict = None, rules: dict = baselines.RULES) -> Policy:
     """The static policy from the signals (see the module docstring's construction)."""
     if preference not in ("cosine", "ppl") or sensitivity not in ("entropy", "ppl"):
         raise UsageError(f"preference must be cosine|ppl and sensitivity entropy|ppl, "
@@ -378,158 +363,45 @@ def build(sig: dict, budget: int, preference: str = "cosine", sensitivity: str =
     if chosen != sig.get("decode_probe_prefill", chosen):
         raise UsageError(f"the decode signals were measured under the prefill rules another "
                          f"preference chose: measure with preference={preference!r}")
-    rules = {"prefill": chosen,
-             "decode": best_rules(sig["decode"], list(sig["decode"]["cosine"]), preference)}
+    picked = {"prefill": chosen,
+              "decode": best_rules(sig["decode"], list(sig["decode"]["cosine"]), preference)}
     b = {ph: allocate(sensitivity_of(sig, ph, sensitivity), L * budget, b_min, cap)
          for ph in ("prefill", "decode")}
     layers = []
     for l in range(L):          # Σ_l b_{l,dec} = L·B: every layer evicts beyond its own budget
-        layers.append(LayerPolicy((rules["prefill"][l], b["prefill"][l]),
-                                  (rules["decode"][l], b["decode"][l])))
+        layers.append(LayerPolicy((picked["prefill"][l], b["prefill"][l]),
+                                  (picked["decode"][l], b["decode"][l])))
     meta = {**(meta or {}), "method": "polykv", "procedure": "paper", "preference": preference,
             "sensitivity": sensitivity, "b_min": b_min, "cap": cap,
             "signals": sig}
-    if "uniform_dppl" in sig:     # the best single rule at this budget, for budget_only
-        meta["best_uniform"] = min(pool, key=lambda r: sig["uniform_dppl"][r])
-    return Policy(layers, budget, settings, meta)
-
+    return Policy(layers, budget, settings, meta, rules=rules)
 
 
 # ----------------------------------------------------------------------------- the procedure
 
-
 def calibrate(model, tok, budget: int, seed: int = 0, n_prompts: int = 2,
               prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN, preference: str = "cosine",
               sensitivity: str = "entropy", b_min=None, settings: RuleSettings = RuleSettings(),
-              texts=None, model_name: str = "", log=None) -> Policy:
+              texts=None, model_name: str = "", log=None, rules: dict = baselines.RULES,
+              observe=None) -> Policy:
     """The paper's procedure: measure the signals on the calibration set once and build the
     policy. texts: optional [(prompt_ids, cont_ids)] in place of `calibration_set` (then tok
-    is unused)."""
+    is unused); rules: the table whose pool is probed; observe: `observe_naive` if None (the
+    engine hands in its shared pass)."""
     if texts is None:
         texts = calibration_set(tok, budget, n_prompts, prompt_len, cont_len, seed, b_min)
     settings = with_prompt(settings, tok)
-    T, n, meta = set_meta(model, tok, texts, budget, seed, model_name, 0, b_min)
-    sig = measure(model, texts, budget, preference, settings, log)
+    T, n, meta = set_meta(model, tok, texts, budget, seed, model_name, 0, b_min, rules)
+    refs = references(model, texts, settings, rules, observe, log)
+    sig = measure(model, refs, budget, preference, settings, rules, log)
     return build(sig, budget, preference, sensitivity, b_min, cap=T,
-                 settings=settings, meta=meta)
+                 settings=settings, meta=meta, rules=rules)
 
 
-# ----------------------------------------------------------------------------- ablations
-
-def pattern_only(policy: Policy) -> Policy:
-    """The calibrated rules with the uniform budget B in both phases."""
-    B = policy.budget
-    layers = [LayerPolicy((lp.prefill.rule, B), (lp.decode.rule, B)) for lp in policy.layers]
-    return Policy(layers, B, policy.settings, {**policy.meta, "ablation": "pattern_only"})
-
-
-def prefill_only(policy: Policy) -> Policy:
-    """The calibrated prefill phase (rules and budgets); no eviction while decoding (`append`),
-    as uniform SnapKV and PyramidKV do. Isolates what the decode-phase calibration costs or buys."""
-    layers = [LayerPolicy(lp.prefill, ("append", lp.prefill.budget)) for lp in policy.layers]
-    return Policy(
-        layers, policy.budget, policy.settings, {**policy.meta, "ablation": "prefill_only"}
-    )
-
-
-def budget_only(policy: Policy, rule: str) -> Policy:
-    """One uniform rule (its own decode form) with the calibrated budgets."""
-    if rule not in polykv.RULES:
-        raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(polykv.RULES)}")
-    dec = polykv.RULES[rule].decode
-    layers = [
-        LayerPolicy((rule, lp.prefill.budget), (dec, lp.decode.budget)) for lp in policy.layers
-    ]
-    return Policy(
-        layers, policy.budget, policy.settings, {**policy.meta, "ablation": f"budget_only:{rule}"}
-    )
-
-
-def budget_from_best(policy: Policy) -> Policy:
-    """budget_only with the best uniform rule on the calibration text (never on evaluation data)."""
-    return budget_only(policy, policy.meta.get("best_uniform", "snapkv"))
-
-
-def decode_with(policy: Policy, rule: str) -> Policy:
-    """The calibrated prefill phase and decode budgets, with one decode rule for every layer:
-    what the per-layer choice of decode rules adds over a single one, at the same memory."""
-    if rule not in polykv.decode_pool():
-        raise UsageError(f"unknown decode rule {rule!r}; choose from "
-                         f"{', '.join(polykv.decode_pool())}")
-    layers = [LayerPolicy(lp.prefill, (rule, lp.decode.budget)) for lp in policy.layers]
-    return Policy(layers, policy.budget, policy.settings,
-                  {**policy.meta, "ablation": f"decode_with:{rule}"})
-
-
-def as_calibrated(policy: Policy) -> Policy:
-    """The calibrated policy itself (the row of the procedure, no ablation)."""
-    return policy
-
-
-
-def quiet(*_):
-    """A log that prints nothing."""
-
-
-
-# ---------------------------------------------------------------------------- the placement control
-# The later version of the paper tests whether its profiles carry information: with the counts
-# of each rule held fixed, the profile-guided placement ranks second among 100 evaluated
-# assignments. Here: the calibrated route against N seeded permutations of its layers' rules,
-# each layer keeping its budgets, all scored by the harness's fidelity KL at equal memory.
-
-def kl(ref_lp, lp) -> float:
-    """KL(FullKV ‖ q) summed over the vocabulary, mean over positions (evaluate.compare's kl)."""
-    return float((ref_lp.exp() * (ref_lp - lp)).sum(-1).clamp_min(0).mean())
-
-
-
-def shuffled(policy: Policy, n: int, seed: int = 0) -> list:
-    """n routes with the policy's rules placed at random: seeded permutations of the layers'
-    (prefill rule, decode rule) pairs, every layer keeping its own budgets."""
-    rng = random.Random(f"shuffle/{seed}")
-    pairs = [(lp.prefill.rule, lp.decode.rule) for lp in policy.layers]
-    return [Policy([LayerPolicy((pre, lp.prefill.budget), (dec, lp.decode.budget))
-                    for (pre, dec), lp in zip(rng.sample(pairs, len(pairs)), policy.layers)],
-                   policy.budget, policy.settings, {"shuffled": k, "seed": seed}) for k in range(n)]
-
-
-@torch.no_grad()
-def placement_control(model, tok, policy: Policy, n: int = 100, split: str = "dev",
-                      n_prompts: int = 4, prompt_len: int = PROMPT_LEN, cont_len: int = CONT_LEN,
-                      seed: int = 0, texts=None, log=None) -> dict:
-    """Fidelity KL (evaluate.py's, at equal memory: decode budgets grow by the continuation) of
-    the calibrated route and of n `shuffled` ones on n_prompts natural-text passages of `split`
-    (tasks.fidelity_text with `seed`; texts: given [(prompt_ids, cont_ids)] instead); rank 1 =
-    the lowest mean KL, ties counted against the route."""
-    if texts is None:
-        texts = [
-            tasks.fidelity_text(tok, prompt_len, cont_len, seed, i, split) for i in range(n_prompts)
-        ]
-    routes = [
-        r.with_allowance(max(len(c) for _, c in texts))
-        for r in [policy] + shuffled(policy, n, seed)
-    ]
-    kls = [[] for _ in routes]
-    for i, (p, c) in enumerate(texts):
-        x, cont = torch.tensor([p], device=model.device), torch.tensor([c], device=model.device)
-        full, obs = polykv.observe_for(model, x, routes)                     # one prefill for all
-        ref = M.teacher_force(model, full.fork(), cont)[0]
-        for j, r in enumerate(routes):
-            dec = r.decoder if r.evicts_within(len(p), len(c)) else None
-            lp = M.teacher_force(model, r.compress(model, full, obs), cont, dec, dec is not None)[0]
-            kls[j].append(kl(ref, lp))
-        if log:
-            log(f"placement control, {split} prompt {i + 1}/{len(texts)}")
-    mean = [sum(k) / len(k) for k in kls]
-    return {"split": split, "seed": seed, "n": n, "prompts": len(texts), "budget": policy.budget,
-            "procedure": policy.meta.get("procedure", "paper"), "route_kl": mean[0],
-            "shuffled_kl": mean[1:], "rank": 1 + sum(m <= mean[0] for m in mean[1:]),
-            "per_prompt": kls}
-
+# ----------------------------------------------------------------------------- the command line
 
 def arguments(description: str) -> cli.ArgumentParser:
-    """The options every calibration command line shares (this file's, calibrate_joint.py's)."""
+    """The options every calibration command line shares (this file's, the joint one's)."""
     ap = cli.ArgumentParser(description=description)
     ap.add_argument("--model", default=None, help="HF folder (default: embedded SmolLM2-135M)")
     ap.add_argument("--budget", type=int, default=512, help="average entries per (layer, KV head)")
@@ -538,15 +410,25 @@ def arguments(description: str) -> cli.ArgumentParser:
     ap.add_argument("--n-prompts", type=int, default=2)
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN)
     ap.add_argument("--cont-len", type=int, default=CONT_LEN)
-    ap.add_argument("--plot", default=None, help="write a per-layer PNG (needs matplotlib)")
     ap.add_argument("--threads", type=int, default=1,   # probes are 64-row matmuls: see docstring
                     help="torch intra-op CPU threads (default 1)")
     return ap
 
 
+def check_files(a):
+    """The counts, and that the files to write go into existing folders, before minutes of
+    probes, not after."""
+    cli.at_least(1, threads=a.threads, n_prompts=a.n_prompts, prompt_len=a.prompt_len)
+    for f in filter(None, (a.out, getattr(a, "plot", None))):
+        if Path(f).is_dir():
+            raise UsageError(f"cannot write {f!r}: it is a folder")
+        if not Path(f).resolve().parent.is_dir():
+            raise UsageError(f"cannot write {f!r}: no such folder")
+
+
 def run(a, settings_line: str, procedure) -> Policy:
-    """Load the model, run procedure(model, tok, **common options), write and describe the
-    policy file: the part of a calibration command line after its options are read."""
+    """Load the model, run procedure(model, tok, **common options), write the policy file and
+    print its layers: the part of a calibration command line after its options are read."""
     a.out = a.out or "policy.json"
     torch.set_num_threads(a.threads)
     name = Path(a.model).name if a.model else M.default_model_dir().name
@@ -561,51 +443,22 @@ def run(a, settings_line: str, procedure) -> Policy:
         pol.save(a.out)
     except OSError as e:
         raise UsageError(f"cannot write {a.out!r}: {e.strerror}") from None
-    print(describe(pol))
-    if pol.meta.get("procedure") == "paper":
-        u = pol.meta["signals"]["uniform_dppl"]
-        print(
-            "uniform baselines, ΔPPL on the calibration text: "
-            + ", ".join(f"{r} {u[r]:+.4f}" for r in u)
-            + f"; best uniform: {pol.meta['best_uniform']}"
-        )
-    print(f"wrote {a.out} in {time.time() - t0:.0f} s")
-    if a.plot:
-        try:
-            print(plot([pol], a.plot, polykv.pool()))
-        except OSError as e:
-            raise UsageError(f"cannot write {a.plot!r}: {e.strerror}") from None
+    for l, lp in enumerate(pol.layers):
+        print(f"layer {l:>2}: prefill {lp.prefill.rule} {lp.prefill.budget}, "
+              f"decode {lp.decode.rule} {lp.decode.budget}")
+    print(f"wrote {a.out} in {time.time() - t0:.0f} s (its signals: "
+          f"python -m engine.policy_tables --show {a.out})")
     return pol
 
 
 def main(argv=None):
-    ap = arguments("Calibrate a PolyKV policy by the paper's procedure (python calibrate_joint.py: "
-                   "the joint calibration, past the paper).")
+    ap = arguments("Calibrate a PolyKV policy by the paper's procedure (python -m "
+                   "engine.calibrate_joint: the joint calibration, past the paper).")
     ap.add_argument("--preference", choices=("cosine", "ppl"), default="cosine")
     ap.add_argument("--sensitivity", choices=("entropy", "ppl"), default="entropy")
     ap.add_argument("--b-min", type=int, default=None, help="budget floor (default B // 4)")
-    ap.add_argument(
-        "--show",
-        nargs="+",
-        default=None,
-        metavar="POLICY",
-        help="print the tables of existing policy files (and --plot them side by side); no "
-             "calibration",
-    )
-    ap.add_argument(
-        "--shuffle",
-        type=int,
-        default=0,
-        metavar="N",
-        help="with --show: the placement control, each policy against N shuffled routes "
-        "(fidelity KL on --n-prompts passages of --split; JSON to --out if given)",
-    )
-    ap.add_argument("--split", choices=tasks.SPLITS, default="dev", help="--shuffle's passages")
     a = ap.parse_args(argv)
-    check_options(a)
-    if a.show:
-        show(a)
-        return
+    check_files(a)
     b_min = a.budget // 4 if a.b_min is None else a.b_min
     check_args(a.budget, a.n_prompts, a.prompt_len, a.cont_len, b_min)
 
@@ -613,51 +466,6 @@ def main(argv=None):
         return calibrate(m, tok, budget, seed, preference=a.preference,
                          sensitivity=a.sensitivity, b_min=b_min, **common)
     run(a, f"preference={a.preference} sensitivity={a.sensitivity} b_min={b_min}", paper)
-
-
-def show(a):
-    """--show: the tables of policy files, their picture (--plot), the placement control
-    (--shuffle N)."""
-    pols = [Policy.load(f) for f in a.show]
-    for f, pol in zip(a.show, pols):
-        print(f"{f}:\n{describe(pol)}")
-    if a.plot:
-        print(plot(pols, a.plot, polykv.pool()))
-    if a.shuffle:
-        torch.set_num_threads(a.threads)
-        m, tok = M.load(a.model)
-        res = []
-        for f, pol in zip(a.show, pols):
-            r = placement_control(m, tok, pol, a.shuffle, a.split, a.n_prompts, a.prompt_len,
-                                  a.cont_len, a.seed, log=print)
-            print(f"{f}: {placement(r)}")
-            res.append({"policy": str(f), **r})
-        if a.out:
-            write_atomic(a.out, json.dumps(res, indent=1))
-
-
-def check_options(a):
-    """--show's options before any work: --shuffle is --show's placement control and --out
-    (with --show) where it writes; then `check_files`."""
-    cli.at_least(0, shuffle=a.shuffle)
-    if a.shuffle and not a.show:
-        raise UsageError("--shuffle N is the placement control of --show POLICY: give --show, "
-                         "or leave --shuffle out to calibrate")
-    if a.show and a.out and not a.shuffle:
-        raise UsageError("--out with --show is where --shuffle N writes its JSON: give "
-                         "--shuffle N >= 1, or leave --out out")
-    check_files(a)
-
-
-def check_files(a):
-    """The counts, and that the files to write go into existing folders, before minutes of
-    probes, not after."""
-    cli.at_least(1, threads=a.threads, n_prompts=a.n_prompts, prompt_len=a.prompt_len)
-    for f in filter(None, (a.out, a.plot)):
-        if Path(f).is_dir():
-            raise UsageError(f"cannot write {f!r}: it is a folder")
-        if not Path(f).resolve().parent.is_dir():
-            raise UsageError(f"cannot write {f!r}: no such folder")
 
 
 ON_CTRL_C = "interrupted: nothing written (a policy file is written once its calibration is done)"

@@ -8,7 +8,7 @@ all actions of all units compete for one budget. Read top to bottom, in the pape
 
  1. Budget (2): B entries per unit on average; the recent window of r tokens is kept exact and
     charged; B_alloc = U·B − U·r − B_floor goes to the greedy; T <= B is FullKV. Under the
-    `context` protocol (support/protocols.py) the prefix and question are exact and free.
+    `context` protocol (engine/protocols.py) the prefix and question are exact and free.
  2. Slots (4)-(5): bends κ of the hidden-state trajectory over several layers and widths
     (mean − λ_stab·std), robust z-scored, cut by dynamic programming into slots of 16..128.
  3. Prototype trees and distortion (6)-(8): a node (n tokens) is one entry with key

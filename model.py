@@ -14,10 +14,11 @@ positions (key pos <= query pos), never by indices, so a cache with gaps (after 
 working: queries always use their true positions. Unlike the original StreamingLLM code, kept
 keys are never re-rotated to new positions.
 
-One explicit attention, `attention`, is the source of truth. The fast paths sit apart, each
-tested equal to the naive form it replaces: torch's fused kernel (support/fast_attention.py)
-and appends written in place into spare room (support/fast_cache.py). `Llama(cfg, fast=False)`
-runs the naive forms alone.
+One explicit attention, `attention`, is the source of truth, and `LayerCache.append`
+concatenates. Speed is handed in (`Speed`: torch's fused kernel wherever it gives the same
+result, appends written in place into spare room; engine/fast.py builds it, each part tested
+equal to the naive form it replaces): `Llama(cfg)` and `load()` run the naive forms alone,
+`load(speed=engine.fast.SPEED)` the fast ones.
 
 Hook points per layer (plain callables, see `Hooks`): pre-kernel, kernel, post-kernel and cache
 update, plus the final norm's output. With no hooks the model is plain FullKV. Observation
@@ -39,8 +40,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from support import checkpoint
-from support import fast_attention
-from support import fast_cache
 from support.errors import UsageError
 
 
@@ -147,8 +146,8 @@ def apply_rope(x: torch.Tensor, pos: torch.Tensor, inv_freq: torch.Tensor) -> to
 # Causality is decided by positions (key pos <= query pos), never by indices, so a cache with gaps
 # (after eviction) keeps working. Eviction is a `gather` along S, the only way a cache shrinks;
 # it moves every per-entry field together, so a decode rule's state can never fall out of step
-# with the entries. Appending concatenates (`LayerCache.append`); the fast path writes in place
-# into spare room instead (support/fast_cache.py, `room`), with the same entries.
+# with the entries. Appending concatenates (`LayerCache.append`); a handed-in `Speed` may write
+# in place into spare room instead (engine/fast_cache.py, `room`), with the same entries.
 
 
 @dataclass
@@ -160,7 +159,7 @@ class LayerCache:
     acc: Optional[torch.Tensor] = None   # (B, G, S) decode-rule state (H2O's Σ_i A), or None
     # (B, 1, S) long: a ragged layer's KV head per entry, or None
     head: Optional[torch.Tensor] = None
-    # spare slots for an in-place append (support/fast_cache.Buffer), or None
+    # spare slots for an in-place append (engine/fast_cache.Buffer), or None
     room: Optional[object] = field(default=None, repr=False, compare=False)
 
     # the per-entry fields a gather moves together
@@ -327,6 +326,19 @@ class Hooks:
     kernel: Optional[Callable] = None
 
 
+@dataclass(frozen=True)
+class Speed:
+    """Fast forms handed to the model (engine/fast.py), each giving what the naive form gives:
+    facts(layers, pos) -> [per layer, what `attention` picks its kernel by, or None], read
+                          for all layers of a step at once, before the new tokens are appended;
+    attention(q, k, v, bias, q_pos, k_pos, facts) -> out (B, H, T, D), or None where it would
+                          not give `attention`'s result (then the explicit form runs);
+    append(lc, k, v, pos) -> lc   `LayerCache.append`'s entries, written in place where it can."""
+    facts: Callable
+    attention: Callable
+    append: Callable
+
+
 # ----------------------------------------------------------------------------- attention
 
 def attention(q, k, v, bias, q_pos, k_pos):
@@ -376,14 +388,15 @@ def attention_ragged(q, lc: LayerCache, q_pos, G: int):
     return (torch.softmax(logits, dim=-1).nan_to_num(0.0).to(lc.v.dtype) @ lc.v).to(q.dtype)
 
 
-def layer_attention(q, lc: LayerCache, q_pos, G: int, fast: bool = False, facts=None):
+def layer_attention(q, lc: LayerCache, q_pos, G: int, speed: Optional[Speed] = None,
+                    facts=None):
     """The attention (B, H, T, D) of queries q over a layer cache: `attention_ragged` for a
-    ragged layer, else the explicit `attention`. fast: torch's fused kernel wherever it gives
-    the same result (support/fast_attention.py; facts: its kernel facts, if read already)."""
+    ragged layer, else the explicit `attention`, or the handed-in `speed.attention` wherever it
+    gives the same result (facts: its kernel facts, if read already)."""
     if lc.head is not None:
         return attention_ragged(q, lc, q_pos, G)
-    if fast:
-        out = fast_attention.attention_sdpa(q, lc.k, lc.v, lc.bias, q_pos, lc.pos, facts)
+    if speed is not None:
+        out = speed.attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos, facts)
         if out is not None:
             return out
     return attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos)
@@ -422,9 +435,9 @@ class Attention(nn.Module):
         self.cfg = cfg
 
     def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
-                fast: bool, facts: Optional[tuple] = None):
-        """fast: the fast paths (in-place append, fused kernel); facts: the fused kernel's
-        facts for this layer, if the caller read them (support/fast_attention.py)."""
+                speed: Optional[Speed], facts: Optional[tuple] = None):
+        """speed: the handed-in fast forms (None: the naive ones); facts: its kernel facts for
+        this layer, if the caller read them."""
         B, T, _ = x.shape
         H, G, D = self.cfg.n_heads, self.cfg.n_kv_heads, self.cfg.head_dim
         q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)                  # (B, H, T, D)
@@ -437,10 +450,10 @@ class Attention(nn.Module):
         if hooks and hooks.pre_kernel:
             hooks.pre_kernel(layer, q, k, v, pos)
         # S += T
-        lc = fast_cache.append(lc, k, v, pos) if fast else lc.append(k, v, pos)
+        lc = speed.append(lc, k, v, pos) if speed else lc.append(k, v, pos)
         out = hooks.kernel(layer, q, pos, lc) if hooks and hooks.kernel else None
         if out is None:
-            out = layer_attention(q, lc, pos, G, fast, facts)                 # (B, H, T, D)
+            out = layer_attention(q, lc, pos, G, speed, facts)                # (B, H, T, D)
         if hooks and hooks.post_kernel:
             hooks.post_kernel(layer, q, pos, lc, out)
         if hooks and hooks.cache_update:
@@ -470,9 +483,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, pos, lc: LayerCache, inv_freq, layer: int, hooks: Optional[Hooks],
-                fast: bool, facts: Optional[tuple] = None):
+                speed: Optional[Speed], facts: Optional[tuple] = None):
         """x (B, T, dim) at positions pos (B, T) -> (x', lc'): pre-norm residual block."""
-        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, fast,
+        a, lc = self.self_attn(self.input_layernorm(x), pos, lc, inv_freq, layer, hooks, speed,
                                facts)
         x = x + a                                                             # (B, T, dim)
         return x + self.mlp(self.post_attention_layernorm(x)), lc
@@ -481,11 +494,11 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """Module names follow Hugging Face's (minus the `model.` prefix) so checkpoints load 1:1."""
 
-    def __init__(self, cfg: Config, fast: bool = True):
+    def __init__(self, cfg: Config, speed: Optional[Speed] = None):
         super().__init__()
-        # fast=False: the naive forms alone (the explicit `attention`, appends that concatenate);
-        # True: the fast paths of support/fast_attention.py and support/fast_cache.py
-        self.config, self.fast = cfg, fast
+        # speed None: the naive forms alone (the explicit `attention`, appends that concatenate);
+        # else the handed-in fast forms (engine/fast.py's SPEED)
+        self.config, self.speed = cfg, speed
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.rms_eps)
@@ -512,12 +525,12 @@ class Llama(nn.Module):
         B, T = tokens.shape
         pos = torch.arange(cache.next_pos, cache.next_pos + T, device=tokens.device).expand(B, T)
         x = self.embed_tokens(tokens)                                         # (B, T, dim)
-        # the fused kernel's facts of every layer, one read (support/fast_attention.py)
+        # the fused kernel's facts of every layer, one read (the handed-in speed's)
         facts = [None] * len(self.layers)
-        if self.fast:
-            facts = fast_attention.step_facts(cache.layers, pos)
+        if self.speed is not None:
+            facts = self.speed.facts(cache.layers, pos)
         for l, blk in enumerate(self.layers):
-            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.fast,
+            x, cache.layers[l] = blk(x, pos, cache.layers[l], self.inv_freq, l, hooks, self.speed,
                                      facts[l])
         if hooks is not None and hooks.final is not None:
             hooks.final(self.norm(x))
@@ -548,15 +561,15 @@ def run_layers(model: Llama, x, pos, caches: list, start: int = 0, hooks: Option
     entering each block. Returns the last block's output (B, T, dim), before the final norm."""
     L = model.config.n_layers if end is None else end
     facts = [None] * L                     # the fused kernel's facts of every layer: one read
-    if model.fast:
-        facts[start:] = fast_attention.step_facts(caches[start:L], pos)
+    if model.speed is not None:
+        facts[start:] = model.speed.facts(caches[start:L], pos)
     for l in range(start, L):
         if streams is not None:
             streams.append(x)
         # the block's grown cache (its second value) is dropped at once, not held while the
         # next block runs
         block = model.layers[l]
-        x = block(x, pos, caches[l], model.inv_freq, l, hooks, model.fast, facts[l])[0]
+        x = block(x, pos, caches[l], model.inv_freq, l, hooks, model.speed, facts[l])[0]
     return x
 
 
@@ -637,10 +650,11 @@ def teacher_force(model: Llama, cache: Cache, target: torch.Tensor, decoder: Opt
 default_model_dir = checkpoint.default_model_dir
 
 
-def load(path=None, device=None, dtype=None):
+def load(path=None, device=None, dtype=None, speed: Optional[Speed] = None):
     """Load (model, tokenizer) from a HF folder, or the embedded default if path is None.
 
-    Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU."""
+    Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU. speed: the
+    fast forms to hand the model (engine/fast.py's SPEED), None for the naive ones."""
     path = checkpoint.folder(path)
     try:
         cfg = Config.from_hf(checkpoint.read_config(path))
@@ -649,6 +663,7 @@ def load(path=None, device=None, dtype=None):
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = from_state_dict(cfg, checkpoint.read_weights(path), device, dtype)
+    model.speed = speed
     return model, checkpoint.Tokenizer(path / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
 

@@ -1,4 +1,4 @@
-"""PolyKV: per layer and phase, an eviction rule and a budget; the rules; the hooks that run them.
+"""PolyKV: per layer and phase, an eviction rule and a budget; the rules; the policy that runs them.
 
 Implements the framework of Fei & Kalnis, "PolyKV: Heterogeneous Retention and Allocation for
 KV Cache Compression" (arXiv 2606.15157, 2026; its later version "Exploring a Layer-Wise Design
@@ -6,17 +6,21 @@ Space for KV Cache Eviction"): a *policy* Π assigns every layer l and phase
 φ ∈ {prefill, decode} an eviction rule r_{l,φ} and a budget b_{l,φ} with Σ_l b_{l,φ} <= L·B,
 built offline (calibrate.py) and then only executed. Read top to bottom:
 
- 1. The framework (the paper's hooks: pre-kernel, post-kernel, cache update; model.Hooks). Every
-    compression method is a `Method`: it says what it must observe during the one shared
-    full-attention prefill (`Needs`), compresses the FullKV cache once (`compress`) and may evict
-    while decoding (`decoder`, a cache-update hook). `observe` runs the prefill for several
-    methods at once, each layer's attention computed once in query chunks.
- 2. The rules (the design space): one scoring function and one `@rule` record each, a shared
-    top-k `select`, and each rule's decode form. Adding a rule is one function and one line;
-    baselines.py adds the newer ones (K-norm, Expected Attention, KVzip) that way, with the
-    statistics they observe, and the head-wise allocations (AdaKV, KVzip's).
- 3. The policy that runs them (`Policy`: per layer a prefill and a decode `Phase`) and
-    PyramidKV's layer schedule (`Pyramid`).
+ 1. The method interface (the paper's hooks: pre-kernel, post-kernel, cache update;
+    model.Hooks): what a method observes during the full-attention prefill (`Needs`), how it
+    compresses the FullKV cache once (`Method.compress`) and evicts while decoding (`decoder`).
+ 2. The naive observation: each layer's whole attention matrix A from `model.attention_probs`,
+    and the statistics the rules read off it.
+ 3. The rules (the design space): one scoring function each, in the table `RULES`.
+ 4. Selection: one shared top-k.
+ 5. The decode forms: what a rule does after each generated token.
+ 6. The policy (`Policy`: per layer a prefill and a decode `Phase`) and PyramidKV's layer
+    schedule (`Pyramid`).
+
+This module is the paper's path: a method called alone observes naively and compresses. The
+engine (`engine/`) observes several methods and prefixes in one chunked pass and hands its
+observation to the same `compress` (tested equal). The newer baselines (baselines.py) extend
+`RULES` with their own rules and statistics.
 
 Notation: B batch, T prompt tokens, S cached entries, H query heads, G KV heads, g = H/G,
 L layers, w observation window, A[h,i,j] = softmax_j(q_i·k_j/√D + bias_j), causal, in fp32.
@@ -36,85 +40,45 @@ import torch.nn.functional as F
 import model as M
 from model import Cache, Hooks, attention_probs
 from support.errors import UsageError
-from support.fast_observe import ATTENTION_STATS, fused_kernel, observe_layer, prefix_layer
 from support.files import write_atomic
 
 
-# ============================================================================= 1. the framework
-
-# Statistics a rule can read, per query head (B, H, T), read off A, the causal attention of the
-# prompt during the prefill:
-#   colsum   Σ_{all i} A[h,i,j]         H2O's heavy-hitter scores
-#   window   Σ_{i in last w} A[h,i,j]   SnapKV's observation window
-#   last     A[h,T−1,j]                 TOVA's last query
-# A rule may read other statistics, registered by name where they are defined (`statistic`:
-# baselines.py adds Expected Attention's `queries` and KVzip's `recon`).
-# A method may add its own per-layer statistic (`Needs.extra`, e.g. GraceKV's value flow): an
-# object with lowest(T) (the first query row it reads), begin(q, lc, layer) -> state,
-# add(state, c0, c1, A) for each chunk of rows [c0, c1) with A (B, H, c, c1), end(state) -> value,
-# and merge(other) -> the one statistic that serves both.
-
+# ======================================================================= 1. the method interface
 
 @dataclass(frozen=True)
 class Statistic:
-    """A statistic that is not a sum over the prompt's attention, computed either per layer from
-    its queries during the prefill, per_layer(q, q_pos, model, needs) -> value, or by an extra
-    pass after it, after(model, full, tokens, needs, layers) -> {layer: value} (the pass's time
-    is reported in Observation.seconds under the statistic's name)."""
+    """A statistic that is not read off the prompt's attention (section 2), computed either per
+    layer from its queries during the prefill, per_layer(q, q_pos, model, needs) -> value, or by
+    an extra pass after it, after(model, full, tokens, needs, layers) -> {layer: value} (the
+    pass's time is reported in Observation.seconds under the statistic's name)."""
     per_layer: Optional[Callable] = None
     after: Optional[Callable] = None
 
-
-STATISTICS: dict = {}     # name -> Statistic, in registration order
-
-
-def statistic(name: str, per_layer: Optional[Callable] = None, after: Optional[Callable] = None):
-    """Register the statistic `name` (one of per_layer and after)."""
-    if (per_layer is None) == (after is None):
-        raise UsageError(f"statistic {name!r}: give exactly one of per_layer and after")
-    STATISTICS[name] = Statistic(per_layer, after)
+    def __post_init__(self):
+        if (self.per_layer is None) == (self.after is None):
+            raise UsageError("a statistic has exactly one of per_layer and after")
 
 
 @dataclass(frozen=True)
 class Needs:
-    """What a method must observe during the shared prefill."""
+    """What a method must observe during the prefill."""
     stats: tuple = ()     # per layer, a frozenset of statistic names
     window: int = 32      # w of the `window` statistic
-    chunk: int = 256      # query rows per chunk of the observation pass (memory only)
-    extra: tuple = ()     # ((name, statistic), ...): a method's own per-layer statistics
+    computed: tuple = ()  # ((name, Statistic), ...): the statistics not read off A
     n_sink: int = 4       # `queries`: the first n_sink queries left out; `recon`: sinks kept
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
     # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
     repeat: tuple = ()
     surprisal: bool = False  # −log p of each prompt token (model.surprisal; GraceKV's boundaries)
+    # the engine's shared pass only: query rows per chunk (memory), and a method's own per-layer
+    # statistics ((name, statistic), ...; GraceKV's value flow, engine/observe.py)
+    chunk: int = 256
+    extra: tuple = ()
+
     @property
     def used(self) -> frozenset:
         """Every statistic some layer reads."""
         return frozenset().union(*self.stats)
-
-
-# which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
-PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat": "recon"}
-
-
-def union(needs: list, n_layers: int) -> Needs:
-    """For all of `needs`: per layer the union of the statistics, extras merged by name, the
-    smallest chunk; methods reading a statistic must agree on its parameters (PARAMS)."""
-    stats = [frozenset()] * n_layers
-    params, extra, chunk = {}, {}, min([n.chunk for n in needs] or [256])
-    for n in needs:
-        for p, stat in PARAMS.items():
-            if stat in n.used:
-                if params.setdefault(p, getattr(n, p)) != getattr(n, p):
-                    raise UsageError(
-                        f"methods observe with different {p}: {params[p]} vs {getattr(n, p)}"
-                    )
-        if any(n.stats):
-            stats = [a | b for a, b in zip(stats, n.stats)]
-        for name, st in n.extra:
-            extra[name] = st if name not in extra else extra[name].merge(st)
-    return Needs(tuple(stats), chunk=chunk, extra=tuple(extra.items()),
-                 surprisal=any(n.surprisal for n in needs), **params)
 
 
 @dataclass
@@ -124,7 +88,7 @@ class Observation:
     seconds: dict = field(default_factory=dict)  # name -> time of an extra pass (KVzip's `recon`)
     surprisal: Optional[torch.Tensor] = None     # (B, T) if Needs.surprisal
     # the prompt position of the observed keys' first one: 0, or under the `context` protocol
-    # the context's start (support/protocols.cut), so that rules protect the prompt's own edges
+    # the context's start (engine/protocols.cut), so that rules protect the prompt's own edges
     first: int = 0
 
 
@@ -135,8 +99,8 @@ class Method:
                                  left untouched, so several methods share one prefill;
       decoder                    None = append every generated token, else hooks whose
                                  cache_update evicts after each step (model.decode);
-      prefill(model, tokens)     observe + compress for this method alone.
-    Subclasses: Policy, Pyramid, gracekv.GraceKV."""
+      prefill(model, tokens)     the naive `observe` + compress, this method alone.
+    Subclasses: Policy, Pyramid, baselines.Headwise, gracekv.GraceKV."""
 
     def needs(self, model) -> Needs:
         return Needs()
@@ -160,152 +124,81 @@ class Method:
         return self.compress(model, full, obs)
 
 
-def observe_layer_naive(q, q_pos, lc, names, window: int, chunk: int = 0,
-                        extra=(), layer: int = 0, ends=None):
-    """Every requested statistic of one layer from its whole attention matrix, the naive form:
-    A (B, H, T, T) = model.attention_probs of the prompt's queries q (B, H, T, D) over its fresh
-    cache lc, then the column sums, the window sums and the last row, and each extra statistic
-    fed the rows it reads in one piece. support/fast_observe.py computes the same in query
-    chunks, never holding A (the default of `observe`; tested equal). chunk: unused here.
+# ======================================================================= 2. the naive observation
+# The statistics read off A, the causal attention of the prompt (B, H, T, T), per query head:
 
-    ends: the prompt lengths e to read statistics for (default T alone). Attention is causal, so
-    the rows i < e of A over keys j < e are the attention of the prefix tokens[:, :e] itself:
-    a prefix's statistics are those of A[:, :, :e, :e] (`observe_prefixes`).
-    Returns {e: ({name: (B, H, e)}, {extra name: value})}."""
-    B, H, T, D = q.shape
-    names = [k for k in names if k in ATTENTION_STATS]
-    A = attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                 # (B, H, T, T) causal
-    result = {}
-    for e in ends or (T,):
-        Ae = A[:, :, :e, :e]                                             # (B, H, e, e)
-        out = {}
-        if "colsum" in names:
-            out["colsum"] = Ae.sum(2)                                      # Σ_{all i} A[h,i,j]
-        if "window" in names:
-            out["window"] = Ae[:, :, e - min(window, e):].sum(2)         # Σ_{i ≥ e−w} A[h,i,j]
-        if "last" in names:
-            out["last"] = Ae[:, :, -1]                                     # A[h,e−1,j]
-        values = {}
-        for name, st in extra:
-            lo = st.lowest(e, layer)
-            state = st.begin(q[:, :, :e], prefix_layer(lc, e), layer)
-            st.add(state, lo, e, Ae[:, :, lo:])                            # rows lo..e−1
-            values[name] = st.end(state)
-        result[e] = out, values
-    return result
+def colsum(A, w: int):             # Σ_{all i} A[h,i,j]: H2O's heavy-hitter scores (B, H, T)
+    return A.sum(2)
+
+
+def window(A, w: int):             # Σ_{i ≥ T−w} A[h,i,j]: SnapKV's observation window (B, H, T)
+    return A[:, :, -w:].sum(2)
+
+
+def last(A, w: int):               # A[h,T−1,j]: TOVA's last query (B, H, T)
+    return A[:, :, -1]
+
+
+ATTENTION_STATISTICS = {"colsum": colsum, "window": window, "last": last}
 
 
 @torch.no_grad()
-def observe(model, tokens, needs: Needs, spy=None, layer_pass=observe_layer):
-    """One full-attention prefill of tokens (B, T) recording what `needs` asks for, each layer's
-    attention computed once (then the extra passes of the statistics read, e.g. KVzip's):
-    (FullKV cache, Observation). spy: an extra post-kernel callable (layer, q, q_pos, lc, out);
-    layer_pass: how a layer's statistics are read off its attention, in query chunks
-    (support/fast_observe.py) or `observe_layer_naive`."""
-    T = tokens.shape[1]
-    return observe_prefixes(model, tokens, needs, (T,), spy, layer_pass)[T]
-
-
-@torch.no_grad()
-def observe_prefixes(model, tokens, needs: Needs, ends, spy=None, layer_pass=observe_layer,
-                     fuse: bool = True):
-    """`observe` of each prefix tokens[:, :e], e in ends, from one prefill of tokens (B, T):
-    {e: (FullKV cache of the prefix, its Observation)}. Attention is causal, so the first e
-    query rows and keys of the prefill are those of the prefix's own prefill: each statistic of
-    a prefix is read over its own rows and keys in the same pass (the `agnostic` protocol's
-    prefix + context within the whole prompt: evaluate.py). The prefix's cache is the first e
-    entries of each layer (views), its last_logits those after token e−1. The extra passes
-    after the prefill (KVzip's reconstruction) run once per prefix: theirs is another prompt.
-    fuse (the fast layer pass on a fast model only): a layer whose statistics read every query
-    row computes its attention output in the same chunks, instead of the model's kernel."""
-    T, L = tokens.shape[1], model.config.n_layers
-    ends = sorted(set(ends), reverse=True)
-    if not ends or not all(0 < e <= T for e in ends):
-        raise UsageError(f"prefix lengths {ends} must lie in 1..{T}")
+def observe(model, tokens, needs: Needs) -> tuple:
+    """One full-attention prefill of tokens (B, T) recording what `needs` asks for, the naive
+    way: at each layer the whole attention matrix A (B, H, T, T) of the prompt's queries over
+    its keys (`model.attention_probs`), each statistic read off it; the statistics computed per
+    layer from the queries; then the extra passes (KVzip's). Returns (FullKV cache,
+    Observation). Memory: one layer's A at a time (B·H·T² floats); the engine's pass reads the
+    same statistics in query chunks (engine/observe.py, tested equal)."""
+    L = model.config.n_layers
     per_layer = needs.stats or (frozenset(),) * L
-    obs = {e: Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
-           for e in ends}
-    last_logits = {}
-
-    unknown = set().union(*per_layer) - set(ATTENTION_STATS) - set(STATISTICS)
+    computed = dict(needs.computed)
+    unknown = needs.used - set(ATTENTION_STATISTICS) - set(computed)
     if unknown:
-        raise UsageError(f"no statistic named {sorted(unknown)[0]!r} is registered "
-                         f"(import the module that defines it, e.g. baselines)")
-    during = [n for n, st in STATISTICS.items() if st.per_layer is not None]
-
-    def layer_read(layer, q, q_pos, lc, chunk=needs.chunk, **out):
-        return layer_pass(q, q_pos, lc, per_layer[layer], needs.window, chunk, needs.extra,
-                          layer, ends, **out)
-
-    # the fast path's kernel (support/fast_observe.fused_kernel): where the statistics read every
-    # query row, the chunked pass also computes the layer's attention output, so the attention
-    # is computed once, not twice
-    fused = fuse and layer_pass is observe_layer and model.fast
-    read = {}                                     # layer -> what the fused kernel read
+        raise UsageError(f"no statistic named {sorted(unknown)[0]!r} is defined "
+                         f"(a rule declares the statistics it computes: polykv.Rule)")
+    obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
 
     def post_kernel(layer, q, q_pos, lc, out):
         names = per_layer[layer]
-        got = read.pop(layer) if layer in read else layer_read(layer, q, q_pos, lc)
-        for e, (stats, values) in got.items():
-            obs[e].stats[layer] = stats
-            for name in during:
-                if name in names:
-                    stats[name] = STATISTICS[name].per_layer(q[:, :, :e], q_pos[:, :e], model,
-                                                             needs)
-            for name, value in values.items():
-                obs[e].extra[name][layer] = value
-        if spy is not None:
-            spy(layer, q, q_pos, lc, out)
+        if not names and not needs.extra:
+            return
+        A = attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                # (B, H, T, T)
+        for name in names:
+            if name in ATTENTION_STATISTICS:
+                obs.stats[layer][name] = ATTENTION_STATISTICS[name](A, min(needs.window,
+                                                                           A.shape[2]))
+            elif computed[name].per_layer is not None:
+                obs.stats[layer][name] = computed[name].per_layer(q, q_pos, model, needs)
+        for name, statistic in needs.extra:        # a method's own statistic, in one piece
+            state = statistic.begin(q, lc, layer)
+            lo = statistic.lowest(A.shape[2], layer)
+            statistic.add(state, lo, A.shape[2], A[:, :, lo:])
+            obs.extra[name][layer] = statistic.end(state)
 
-    def final(h):                                 # the final norm's output (B, T, dim)
-        # −log p(token_t | tokens_<t) reads nothing after t: a prefix's is the prompt's first e
-        surprisal = M.surprisal(model, h, tokens) if needs.surprisal else None
-        for e in ends:
-            if surprisal is not None:
-                obs[e].surprisal = surprisal[:, :e]
-            if e < T:                             # the logits after token e−1, as Llama.step
-                logits = model.lm_head(h[:, e - 1])
-                last_logits[e] = logits if logits.dtype == torch.float64 else logits.float()
+    def final(h):                                  # the final norm's output (B, T, dim)
+        obs.surprisal = M.surprisal(model, h, tokens)
 
-    wanted = any(per_layer) or needs.extra or spy
-    hooks = (Hooks(post_kernel=post_kernel if wanted else None,
-                   final=final if needs.surprisal or ends != [T] else None,
-                   kernel=fused_kernel(per_layer, needs, layer_read, read)
-                   if fused and wanted else None)
-             if wanted or needs.surprisal or ends != [T] else None)
-    full = M.prefill(model, tokens, hooks)
-    caches = {e: full if e == T else
-              Cache([prefix_layer(lc, e) for lc in full.layers], e, last_logits[e])
-              for e in ends}
-    for name, st in STATISTICS.items():          # extra passes after the prefill
+    full = M.prefill(model, tokens, Hooks(post_kernel=post_kernel,
+                                          final=final if needs.surprisal else None))
+    for name, statistic in computed.items():      # the extra passes after the prefill
         layers = [l for l in range(L) if name in per_layer[l]]
-        if st.after is not None and layers:
-            for e in ends:
-                t0 = time.perf_counter()
-                for l, value in st.after(model, caches[e], tokens[:, :e], needs, layers).items():
-                    obs[e].stats[l][name] = value
-                obs[e].seconds[name] = time.perf_counter() - t0
-    return {e: (caches[e], obs[e]) for e in ends}
+        if statistic.after is not None and layers:
+            t0 = time.perf_counter()
+            for l, value in statistic.after(model, full, tokens, needs, layers).items():
+                obs.stats[l][name] = value
+            obs.seconds[name] = time.perf_counter() - t0
+    return full, obs
 
 
-def observe_for(model, tokens, methods: list):
-    """The shared prefill of several methods: observe(model, tokens, union of their needs)."""
-    return observe(model, tokens, union([m.needs(model) for m in methods], model.config.n_layers))
-
-
-# ============================================================================= 2. the rules
-# A rule is one small scoring function under its formula and citation, registered with its needs
-# (which prefill statistics it reads) and its decode form (what it does while decoding).
-# Everything else reads the registry when it is used: `Policy`, `evaluate.py --methods`,
-# calibration's pool (`pool()`), the report's baselines, the rule tests; README "Add your own rule".
-# A scoring function takes a `ScoreInput` and returns (scores (B, G, T) or broadcastable to it,
-# higher = keep; protected (T,) bool, always kept). `select` keeps the top-`budget` (protected
-# first, ties toward the later position) sorted by position. GQA: a score per query head is
-# reduced to its KV head by the mean over its g query heads (kvpress convention); TOVA averages
-# over all H heads (one kept set per layer, as `tova_cache.py`). Departures from the original
-# code (docs/design.md): H2O and TOVA score once after a full prefill (KVCache-Factory's form),
-# not token by token; StreamingLLM's kept keys keep their rotation; PyramidKV is SnapKV with a
-# layer schedule (`pyramid_budgets`), not a rule.
+# ================================================================================= 3. the rules
+# A rule is one small scoring function under its formula and citation. It reads a `ScoreInput`
+# and returns (scores (B, G, T) or broadcastable to it, higher = keep; protected (T,) bool,
+# always kept). GQA: a score per query head is reduced to its KV head by the mean over its g
+# query heads (kvpress convention); TOVA averages over all H heads (one kept set per layer, as
+# `tova_cache.py`). Departures from the original code (docs/design.md): H2O and TOVA score once
+# after a full prefill (KVCache-Factory's form), not token by token; StreamingLLM's kept keys
+# keep their rotation; PyramidKV is SnapKV with a layer schedule (`pyramid_budgets`).
 
 @dataclass(frozen=True)
 class RuleSettings:
@@ -342,15 +235,14 @@ KVPRESS = RuleSettings(window=64, kernel=5, n_sink=4, pool="avg", tova_keep_last
 
 @dataclass
 class ScoreInput:
-    """What a scoring function may read about one layer after the prefill.
+    """What a scoring function may read about one layer after the prefill: the statistics its
+    rule declared, each (B, H, T) per query head, and the layer's keys and values.
 
-    The protections a rule keeps (attention sinks, the observation window) sit at the edges of
-    the *prompt*, not of the keys scored: `sinks(n)` are the keys among the prompt's first n
-    positions and `recent(w)` those among its last w. They are the first n and last w keys
-    when the whole prompt is scored; under the `context` protocol the keys are the context
-    alone (positions first..first+T−1 of a prompt ending at `end`), the real sinks sit in the
-    free prefix and the window in the free question, so neither protects a context token
-    (only the window's part that the question does not cover, if it is shorter than w)."""
+    Positions: key i sits at prompt position first + i, and the prompt ends before position
+    `end`. When the whole prompt is scored (the paper's case) first = 0 and end = T, so
+    `sinks(n)` are the first n keys, `recent(w)` the last w and `before(end − w)` = T − w.
+    (Under the engine's `context` protocol the keys are the context alone: its sinks sit in the
+    free prefix and its window in the free question, so neither protects a context token.)"""
     stats: dict           # the statistics the rule declared, each (B, H, T) per query head
     k: torch.Tensor       # (B, G, T, D) post-RoPE keys of the layer
     layer: int
@@ -363,50 +255,27 @@ class ScoreInput:
     def shape(self):      # (B, G, T)
         return self.k.shape[:3]
 
+    @property
+    def T(self) -> int:   # the prompt's length, in positions
+        return self.first + self.k.shape[2] if self.end is None else self.end
+
     def positions(self) -> torch.Tensor:                 # (T,) the keys' prompt positions
         return torch.arange(self.first, self.first + self.k.shape[2], device=self.k.device)
-
-    def prompt_end(self) -> int:
-        return self.first + self.k.shape[2] if self.end is None else self.end
 
     def sinks(self, n: int) -> torch.Tensor:             # (T,) keys among the first n positions
         return self.positions() < n
 
     def recent(self, w: int) -> torch.Tensor:            # (T,) keys among the last w positions
-        return self.positions() >= self.prompt_end() - w
+        return self.positions() >= self.T - w
 
-    def n_sinks(self, n: int) -> int:                    # how many keys `sinks(n)` holds
-        return max(0, min(self.k.shape[2], n - self.first))
-
-    def n_before(self, w: int) -> int:                   # how many keys precede the last w
-        return max(0, min(self.k.shape[2], self.prompt_end() - w - self.first))
+    def before(self, p: int) -> int:                     # how many keys sit at positions < p
+        return max(0, min(self.k.shape[2], p - self.first))
 
 
-def score_input(obs: "Observation", full: Cache, layer: int, settings: RuleSettings) -> ScoreInput:
-    """Layer `layer`'s ScoreInput from a FullKV cache (or the context protocol's cut of one) and
-    its observation."""
+def score_input(obs: Observation, full: Cache, layer: int, settings) -> ScoreInput:
+    """Layer `layer`'s ScoreInput from a FullKV cache and its observation."""
     lc = full.layers[layer]
     return ScoreInput(obs.stats[layer], lc.k, layer, settings, lc.v, obs.first, full.next_pos)
-
-
-@dataclass(frozen=True)
-class Rule:
-    name: str
-    score: Callable       # ScoreInput -> (scores (B, G, T), protected (T,))
-    needs: frozenset      # prefill statistics it reads (by name)
-    decode: str           # its own decode form, a key of DECODE ("append": grow)
-    pool: bool            # a candidate of PolyKV's calibration pool (not the random floor)
-
-
-RULES: dict = {}          # name -> Rule, in registration order
-
-
-def rule(name: str, needs=(), decode: str = "append", pool: bool = True):
-    """Register a scoring function as rule `name` (the one line a new rule adds)."""
-    def register(fn):
-        RULES[name] = Rule(name, fn, frozenset(needs), decode, pool)
-        return fn
-    return register
 
 
 def group_mean(s: torch.Tensor, G: int) -> torch.Tensor:
@@ -419,17 +288,6 @@ def none_protected(T: int, device=None) -> torch.Tensor:      # (T,) nothing pro
     return torch.zeros(T, dtype=torch.bool, device=device)
 
 
-def recent(T: int, w: int, device=None) -> torch.Tensor:     # (T,) the last w positions
-    return torch.arange(T, device=device) >= T - w
-
-
-def sinks(T: int, n: int, device=None) -> torch.Tensor:      # (T,) the first n positions
-    return torch.arange(T, device=device) < n
-
-
-# ----------------------------------------------------------------------------- the rules
-
-@rule("streaming", decode="streaming")
 def streaming(x: ScoreInput):
     """StreamingLLM (Xiao et al. 2023, `streaming_llm/kv_cache.py`): the first n_sink tokens
     (attention sinks) + the most recent; score = position."""
@@ -439,7 +297,6 @@ def streaming(x: ScoreInput):
             x.sinks(x.settings.n_sink))
 
 
-@rule("h2o", needs={"colsum"}, decode="h2o")
 def h2o(x: ScoreInput):
     """H2O (Zhang et al. 2023, `h2o_hf/utils_hh/modify_llama.py`; KVCache-Factory's one-shot
     form): s_j = Σ_{all i} A[h,i,j], group mean; the recent r = w tokens kept."""
@@ -447,7 +304,6 @@ def h2o(x: ScoreInput):
     return group_mean(x.stats["colsum"], G), x.recent(x.settings.window)
 
 
-@rule("tova", needs={"last"}, decode="tova")
 def tova(x: ScoreInput):
     """TOVA (Oren et al. 2024, `src/tova_cache.py`): s_j = mean_h A[h,T−1,j] over all H heads
     of the layer, one kept set shared by its KV heads."""
@@ -458,14 +314,13 @@ def tova(x: ScoreInput):
     return sc, none_protected(T, x.k.device)
 
 
-@rule("snapkv", needs={"window"})
 def snapkv(x: ScoreInput):
     """SnapKV (Li et al. 2024, `snapkv/monkeypatch/snapkv_utils.py`): s_j = Σ_{i in last w}
     A[h,i,j] for j < T−w, max-pooled over j (kernel k, stride 1, padding k//2), group mean;
-    the window itself is kept. (T−w: the keys before the prompt's last w, `n_before`.)"""
+    the window itself is kept."""
     B, G, T = x.shape
     s = x.settings
-    win = x.stats["window"][:, :, : x.n_before(s.window)]                     # (B, H, T−w)
+    win = x.stats["window"][:, :, : x.before(x.T - s.window)]               # (B, H, T−w)
     if win.shape[2]:
         pool = F.max_pool1d if s.pool == "max" else F.avg_pool1d              # avg: kvpress
         win = pool(win, s.kernel, stride=1, padding=s.kernel // 2)            # (B, H, T−w)
@@ -473,7 +328,6 @@ def snapkv(x: ScoreInput):
     return sc, x.recent(s.window)
 
 
-@rule("random", pool=False)
 def random(x: ScoreInput):
     """A floor: uniform random scores from (seed, layer), drawn on the CPU's generator whatever
     the model's device (the same scores on every device), then moved to the keys' device."""
@@ -483,13 +337,34 @@ def random(x: ScoreInput):
     return sc.expand(B, G, T), none_protected(T, x.k.device)
 
 
-# ----------------------------------------------------------------------------- selection
+@dataclass(frozen=True)
+class Rule:
+    score: Callable       # ScoreInput -> (scores (B, G, T), protected (T,))
+    needs: frozenset = frozenset()  # the statistics it reads, by name
+    decode: str = "append"          # its own decode form, a key of DECODE ("append": grow)
+    pool: bool = True     # a candidate of PolyKV's calibration pool (not the random floor)
+    computed: tuple = ()  # ((name, Statistic), ...): those of its statistics not read off A
 
-def score(name: str, x: ScoreInput):
-    """Scores (B, G, T) and protected (T,) of rule `name` (checked against the contract)."""
-    if name not in RULES:
-        raise UsageError(f"unknown rule {name!r}; choose from {', '.join(RULES)}")
-    sc, prot = RULES[name].score(x)
+
+# The paper's design space. baselines.RULES adds the newer baselines (K-norm, Expected
+# Attention, KVzip); a policy, the harness and calibration are handed the table they use.
+RULES = {
+    "streaming": Rule(streaming, decode="streaming"),
+    "h2o": Rule(h2o, frozenset({"colsum"}), decode="h2o"),
+    "tova": Rule(tova, frozenset({"last"}), decode="tova"),
+    "snapkv": Rule(snapkv, frozenset({"window"})),
+    "random": Rule(random, pool=False),
+}
+
+
+# ================================================================================ 4. selection
+
+def score(name: str, x: ScoreInput, rules: Optional[dict] = None):
+    """Scores (B, G, T) and protected (T,) of rule `name` of the table `rules` (RULES if None)."""
+    rules = RULES if rules is None else rules
+    if name not in rules:
+        raise UsageError(f"unknown rule {name!r}; choose from {', '.join(rules)}")
+    sc, prot = rules[name].score(x)
     return sc.expand(*x.shape), prot
 
 
@@ -505,7 +380,7 @@ def select(scores: torch.Tensor, budget: int, protected: torch.Tensor) -> torch.
     return keep.sort(-1).values
 
 
-# ----------------------------------------------------------------------------- decode forms
+# ============================================================================ 5. decode forms
 
 @dataclass(frozen=True)
 class DecodeRule:
@@ -519,6 +394,14 @@ class DecodeRule:
     uses_last: bool = False
     acc_from: Optional[str] = None  # the prefill statistic lc.acc starts from (group mean, kept
                                     # entries); then lc.acc += group mean of `last`, every step
+
+
+def recent(S: int, w: int, device=None) -> torch.Tensor:     # (S,) the last w entries
+    return torch.arange(S, device=device) >= S - w
+
+
+def sinks(S: int, n: int, device=None) -> torch.Tensor:      # (S,) the first n entries
+    return torch.arange(S, device=device) < n
 
 
 def _stream_decode(lc, last, s):       # rolling: drop the oldest non-sink (lowest position)
@@ -540,17 +423,16 @@ DECODE = {"append": DecodeRule("append", None),
           "tova": DecodeRule("tova", _tova_decode, uses_last=True)}
 
 
-# ============================================================================= 3. the policy
+# ================================================================================ 6. the policy
 
-def prefill_rules() -> tuple:
-    """"full" (keep every entry) and every registered rule, those registered at run time too."""
-    return ("full",) + tuple(RULES)
+def prefill_rules(rules: Optional[dict] = None) -> tuple:
+    """"full" (keep every entry) and every rule of the table (RULES if None)."""
+    return ("full",) + tuple(RULES if rules is None else rules)
 
 
-def pool() -> tuple:
-    """PolyKV's prefill patterns: every registered rule but the random floor, read when called
-    (a rule registered at run time joins the calibration pool)."""
-    return tuple(name for name, r in RULES.items() if r.pool)
+def pool(rules: Optional[dict] = None) -> tuple:
+    """PolyKV's prefill patterns: every rule of the table (RULES if None) but a floor."""
+    return tuple(name for name, r in (RULES if rules is None else rules).items() if r.pool)
 
 
 def decode_pool() -> tuple:
@@ -612,12 +494,15 @@ class Policy(Method):
     settings: RuleSettings = field(default_factory=RuleSettings)
     meta: dict = field(default_factory=dict)   # e.g. calibration signals, model name
     allowance: int = 0    # generated tokens every layer may add on top of its decode budget
+    # the rule table its layers name: RULES if None (baselines.RULES holds the newer rules too)
+    rules: Optional[dict] = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
+        self.rules = RULES if self.rules is None else self.rules
         if self.budget < 1:
             raise UsageError(f"budget must be >= 1, got {self.budget}")
         L = len(self.layers)
-        for phase, names in (("prefill", prefill_rules()), ("decode", tuple(DECODE))):
+        for phase, names in (("prefill", prefill_rules(self.rules)), ("decode", tuple(DECODE))):
             for l, lp in enumerate(self.layers):
                 rule, b = getattr(lp, phase)
                 if rule not in names:
@@ -643,17 +528,21 @@ class Policy(Method):
 
     @classmethod
     def uniform(cls, rule: str, budget: int, n_layers: int, decode: Optional[str] = None,
-                settings: RuleSettings = RuleSettings()) -> "Policy":
-        """Every layer: (rule, budget) at prefill and the rule's own decode form."""
+                settings: RuleSettings = RuleSettings(), rules: Optional[dict] = None) -> "Policy":
+        """Every layer: (rule, budget) at prefill and the rule's own decode form; rules: the
+        table `rule` is in (RULES if None)."""
+        rules = RULES if rules is None else rules
         if rule == "pyramidkv":
             raise UsageError(
                 "pyramidkv is SnapKV scoring with a layer schedule: use Policy.pyramid"
             )
-        if rule not in prefill_rules():
-            raise UsageError(f"unknown rule {rule!r}; choose from {', '.join(prefill_rules())}")
-        dec = decode or ("append" if rule == "full" else RULES[rule].decode)
+        if rule not in prefill_rules(rules):
+            raise UsageError(
+                f"unknown rule {rule!r}; choose from {', '.join(prefill_rules(rules))}"
+            )
+        dec = decode or ("append" if rule == "full" else rules[rule].decode)
         return cls([LayerPolicy((rule, budget), (dec, budget)) for _ in range(n_layers)],
-                   budget, settings)
+                   budget, settings, rules=rules)
 
     @classmethod
     def pyramid(cls, budget: int, n_layers: int, prompt_len: int,
@@ -669,7 +558,8 @@ class Policy(Method):
         layers = [
             LayerPolicy(lp.prefill, (lp.decode.rule, lp.decode.budget + n)) for lp in self.layers
         ]
-        return Policy(layers, self.budget, self.settings, dict(self.meta), self.allowance + n)
+        return Policy(layers, self.budget, self.settings, dict(self.meta), self.allowance + n,
+                      self.rules)
 
     def rescaled(self, budget: int) -> "Policy":
         """The same rules with every phase's budgets scaled to average `budget` (exact sum L·B)."""
@@ -685,7 +575,7 @@ class Policy(Method):
             )
             for l, lp in enumerate(self.layers)
         ]
-        return Policy(layers, budget, self.settings, dict(self.meta))
+        return Policy(layers, budget, self.settings, dict(self.meta), rules=self.rules)
 
     # -- the method interface ----------------------------------------------------------------
     def needs(self, model) -> Needs:
@@ -694,19 +584,17 @@ class Policy(Method):
             raise UsageError(
                 f"policy has {len(self.layers)} layers, the model has {model.config.n_layers}"
             )
-        per_layer = tuple(
-            (RULES[lp.prefill.rule].needs if lp.prefill.rule in RULES else frozenset())
-            | (
-                {DECODE[lp.decode.rule].acc_from}
-                if DECODE[lp.decode.rule].acc_from
-                else frozenset()
-            )
-            for lp in self.layers
-        )
+        per_layer, computed = [], {}
+        for lp in self.layers:
+            rule = self.rules.get(lp.prefill.rule)       # None for "full"
+            reads = set(rule.needs) if rule else set()
+            if DECODE[lp.decode.rule].acc_from:
+                reads.add(DECODE[lp.decode.rule].acc_from)
+            per_layer.append(frozenset(reads))
+            computed.update(rule.computed if rule else ())
         s = self.settings
-        return Needs(
-            per_layer, s.window, s.chunk, n_sink=s.n_sink, future=s.future, repeat=s.repeat
-        )
+        return Needs(tuple(per_layer), s.window, tuple(computed.items()), n_sink=s.n_sink,
+                     future=s.future, repeat=s.repeat, chunk=s.chunk)
 
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
         """A new cache: layer l keeps min(b_l, T) entries per KV head chosen by its rule.
@@ -720,7 +608,7 @@ class Policy(Method):
                 idx = torch.arange(T, device=lc.k.device).expand(B, G, T)
                 kept = lc        # nothing evicted: share the tensors (appends never overwrite them)
             else:
-                sc, prot = score(rule, score_input(obs, full, l, self.settings))
+                sc, prot = score(rule, score_input(obs, full, l, self.settings), self.rules)
                 idx = select(sc.to(lc.k.device), b, prot).to(lc.k.device)    # (B, G, b)
                 kept = lc.gather(idx)
             # a decode rule's running sums, kept entries
@@ -780,8 +668,9 @@ class Policy(Method):
         write_atomic(path, json.dumps(self.to_json(), indent=1))
 
     @classmethod
-    def load(cls, path, n_layers: Optional[int] = None) -> "Policy":
-        """Read a policy file; n_layers (the model's) is checked when given."""
+    def load(cls, path, n_layers: Optional[int] = None, rules: Optional[dict] = None) -> "Policy":
+        """Read a policy file; n_layers (the model's) is checked when given; rules: the table
+        its rules are in (RULES if None)."""
         try:
             d = json.loads(Path(path).read_text())
             layers = [
@@ -799,7 +688,7 @@ class Policy(Method):
                 f"policy {str(path)!r} has {len(layers)} layers, the model has {n_layers}"
             )
         meta = {k: v for k, v in d.items() if k not in ("format", "budget", "settings", "layers")}
-        return cls(layers, budget, settings, meta)
+        return cls(layers, budget, settings, meta, rules=rules)
 
 
 @dataclass
@@ -819,6 +708,8 @@ class Pyramid(Method):
         return Policy.pyramid(self.budget, model.config.n_layers, T, self.settings).compress(
             model, full, obs
         )
+
+
 
 
 @torch.no_grad()

@@ -5,7 +5,7 @@ status says.
   other settings) is one line on stderr, `error: ...`, naming the option and what it accepts;
   never a traceback. argparse's own errors (an unknown option, a value of the wrong kind) take
   the same form.
-- Exit status: 0 done; 1 the command ran and its answer is "no" (`oracle.py compare`: FAIL);
+- Exit status: 0 done; 1 the command ran and its answer is "no" (`engine/oracle.py compare`: FAIL);
   2 the command could not run (`error: ...`); 130 interrupted (Ctrl-C), after what was finished
   was saved.
 """

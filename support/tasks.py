@@ -1,4 +1,4 @@
-"""Evaluation data: RULER-style synthetic tasks and natural text (scored in support/metrics.py).
+"""Evaluation data: RULER-style synthetic tasks and natural text (scored in engine/metrics.py).
 
 The data side of `evaluate.py` (docs/protocol.md). Everything here is a pure function of its
 arguments: no download, no global random state, one `random.Random` per sample.
@@ -22,7 +22,7 @@ arguments: no download, no global random state, one `random.Random` per sample.
    the *dev* split (calibration and the choice of every default): calibrate.py never sees a
    passage that a test run scores. That module is the running
    Python's own documentation, so prompts are reproducible for one Python version (3.11 here).
-LongBench files (the official prompts, lengths and loader) are in support/longbench.py.
+LongBench files (the official prompts, lengths and loader) are in engine/longbench.py.
 """
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ class Sample:
     stop_at_newline: bool = False  # LongBench pred.py: samsum also stops at "\n"
     templated: bool = False    # prompt was rendered by the chat template: it holds its own
                                # special tokens (encode with add_special_tokens=False)
-    prefix: str = ""           # prompt = prefix + context + question (support/protocols.py):
+    prefix: str = ""           # prompt = prefix + context + question (engine/protocols.py):
     question: str = ""         # the instruction before the context and the query after it
     asks: tuple = ()           # later questions on the same context (Ask): multi-question reuse
     unsplit: str = ""          # why the prompt cannot be split at its question (protocols.split

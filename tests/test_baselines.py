@@ -12,6 +12,7 @@ import baselines as BL
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny as tiny_llama
+from engine import observe as OB
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 tiny = functools.partial(tiny_llama, L=2)
@@ -40,8 +41,8 @@ def test_expected_scores_equal_naive_gaussian_estimate(T, seed):
     m, x = tiny(seed), tokens(T, seed)
     cfg, n = m.config, SET.n_sink
     H, G, D = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    full, obs = P.observe(
-        m, x, P.Policy.uniform("expected", 4, cfg.n_layers, settings=SET).needs(m)
+    full, obs = OB.observe(
+        m, x, P.Policy.uniform("expected", 4, cfg.n_layers, settings=SET, rules=BL.RULES).needs(m)
     )
     Pm = torch.zeros(D, D, dtype=torch.float64)
     Pm[D // 2:, :D // 2], Pm[:D // 2, D // 2:] = torch.eye(D // 2), -torch.eye(D // 2)
@@ -67,7 +68,7 @@ def test_expected_scores_equal_naive_gaussian_estimate(T, seed):
             )
             want[h // (H // G), n:] += torch.softmax(logit, 0) / (H // G)
         want[:, n:] *= lc.v[0, :, n:].norm(dim=-1)
-        sc, prot = P.score("expected", P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v))
+        sc, prot = P.score("expected", P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v), BL.RULES)
         torch.testing.assert_close(sc[0], want, rtol=1e-9, atol=1e-12)
         assert prot.tolist() == [j < n for j in range(T)]
 
@@ -149,11 +150,11 @@ def test_headwise_keeps_naive_allocation_exact_entries_ragged(name, budget, T, s
     m, x = tiny(seed), tokens(T, seed)
     rule, scope, alpha = BL.allocation(name)
     meth = BL.Headwise(rule, budget, scope, alpha, SET)
-    full, obs = P.observe(m, x, meth.needs(m))
+    full, obs = OB.observe(m, x, meth.needs(m))
     cache = meth.compress(m, full, obs)
     cfg = m.config
     sc = [
-        P.score(rule, P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v))
+        P.score(rule, P.ScoreInput(obs.stats[l], lc.k, l, SET, lc.v), BL.RULES)
         for l, lc in enumerate(full.layers)
     ]
     want = naive_headwise([s[0][0] for s in sc], [s[1].tolist() for s in sc], budget, scope, alpha)
@@ -179,7 +180,7 @@ def test_ragged_layer_attends_as_its_padded_dense_form(budget, T, n, seed):
     holds exactly each head's gathered FullKV entries; appends keep the ragged layout."""
     m, x = tiny(seed), tokens(T, seed)
     meth = BL.Headwise("snapkv", budget, "layer", 0.2, SET)
-    full, obs = P.observe(m, x, meth.needs(m))
+    full, obs = OB.observe(m, x, meth.needs(m))
     ragged = meth.compress(m, full, obs)
     G = m.config.n_kv_heads
     dense = M.Cache([lc.dense(G) for lc in ragged.layers], ragged.next_pos, ragged.last_logits)

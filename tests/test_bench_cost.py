@@ -1,7 +1,7 @@
 """bench.py's projection of the reference run's wall time (section 5), on made-up timings."""
 import pytest
 
-import bench
+from engine import bench
 
 
 def test_mean_task_prompt_weights_each_measured_prompt_by_the_prompts_it_stands_for():

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench_gpu
+from engine import bench_gpu
 from conftest import tiny
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_without_cuda_it_refuses_in_one_line():
     if torch.cuda.is_available():
         pytest.skip("a GPU machine runs bench_gpu.py for real")
-    r = subprocess.run([sys.executable, "bench_gpu.py", "--length", "1024"], cwd=ROOT,
+    r = subprocess.run([sys.executable, "-m", "engine.bench_gpu", "--length", "1024"], cwd=ROOT,
                        capture_output=True, text=True)
-    want = "error: bench_gpu.py needs a CUDA GPU (none is available here)"
+    want = "error: python -m engine.bench_gpu needs a CUDA GPU (none is available here)"
     assert r.returncode == 2 and r.stderr.strip() == want     # 2: the command could not run
 
 

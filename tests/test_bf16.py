@@ -43,6 +43,8 @@ import gracekv as GK
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
+from engine import harness as H
+from engine import observe as OB
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 GSET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
@@ -108,7 +110,7 @@ def test_fullkv_logits_within_bf16_rounding(seed):
 
 
 def observed(m, x, method):
-    full, obs = P.observe(m, x[:, :T], method.needs(m))
+    full, obs = OB.observe(m, x[:, :T], method.needs(m))
     for stats in obs.stats:                                  # statistics accumulate in fp32
         assert all(v.dtype == torch.float32 for k, v in stats.items() if k != "queries")
     return full, obs
@@ -117,19 +119,19 @@ def observed(m, x, method):
 def scores(full, obs, rule: str, layer: int):
     """The rule's scores (G, T) in fp64 with +inf on protected positions."""
     lc = full.layers[layer]
-    sc, prot = P.score(rule, P.ScoreInput(obs.stats[layer], lc.k, layer, SET, lc.v))
+    sc, prot = P.score(rule, P.ScoreInput(obs.stats[layer], lc.k, layer, SET, lc.v), BL.RULES)
     return sc[0].double().masked_fill(prot, torch.inf)
 
 
 @pytest.mark.parametrize("seed", SEEDS)
-@pytest.mark.parametrize("name", list(P.RULES) + ["pyramidkv"])
+@pytest.mark.parametrize("name", list(BL.RULES) + ["pyramidkv"])
 def test_rule_scores_and_kept_sets_agree_up_to_near_ties(name, seed):
     """Per (layer, KV head): scores within τ of the head's largest; kept positions equal but
     for near-ties; the cache's bias stays fp32."""
     x, runs = tokens(seed), {}
     for m in pair(seed):
         method = (P.Pyramid(BUDGET, SET) if name == "pyramidkv"
-                  else P.Policy.uniform(name, BUDGET, L, settings=SET))
+                  else P.Policy.uniform(name, BUDGET, L, settings=SET, rules=BL.RULES))
         full, obs = observed(m, x, method)
         cache = method.compress(m, full, obs)
         assert all(lc.bias.dtype == torch.float32 for lc in cache.layers)
@@ -164,7 +166,7 @@ def test_headwise_kept_sets_agree_up_to_near_ties(name, seed):
     the head's safeguard boundary."""
     x, runs = tokens(seed), {}
     for m in pair(seed):
-        method = E.method(name, BUDGET, L, SET)
+        method = H.method(name, BUDGET, L, SET)
         full, obs = observed(m, x, method)
         runs[m.dtype] = full, obs, headwise_kept(method.compress(m, full, obs))
     (f32, o32, k32), (f16, o16, k16) = runs[torch.float32], runs[torch.bfloat16]
@@ -207,7 +209,7 @@ def hand_policy() -> P.Policy:
     layers = [P.LayerPolicy(("snapkv", 12), ("h2o", 14)),
               P.LayerPolicy(("tova", 16), ("tova", 16)),
               P.LayerPolicy(("kvzip", 20), ("streaming", 18))]
-    return P.Policy(layers, BUDGET, SET)
+    return P.Policy(layers, BUDGET, SET, rules=BL.RULES)
 
 
 def make(name: str) -> P.Method:
@@ -215,7 +217,7 @@ def make(name: str) -> P.Method:
         return hand_policy()
     if name == "gracekv":
         return GK.GraceKV(BUDGET, GSET)
-    return E.method(name, BUDGET, L, SET)
+    return H.method(name, BUDGET, L, SET)
 
 
 METHODS = ("streaming", "h2o", "tova", "snapkv", "knorm", "expected", "kvzip-uniform",
@@ -226,7 +228,7 @@ METHODS = ("streaming", "h2o", "tova", "snapkv", "knorm", "expected", "kvzip-uni
 def test_kl_to_fullkv_in_bf16_within_its_fp32_value(seed):
     """The harness's metric in both dtypes, each run against its own FullKV through the same
     path (token by token, the method's decoder): log p in fp32, KL computed in fp32
-    (evaluate.compare); |KL_bf16 − KL_fp32| <= 25 % of KL_fp32."""
+    (H.compare); |KL_bf16 − KL_fp32| <= 25 % of KL_fp32."""
     x, kl = tokens(seed), {}
     for m in pair(seed):
         for name in METHODS:
@@ -236,7 +238,7 @@ def test_kl_to_fullkv_in_bf16_within_its_fp32_value(seed):
             cache = method.compress(m, full, obs)
             lp, _ = M.teacher_force(m, cache, x[:, T:], method.decoder, stepwise=True)
             assert lp.dtype == ref.dtype == torch.float32
-            kl[name, m.dtype] = E.compare(ref, lp, x[:, T:])[0]
+            kl[name, m.dtype] = H.compare(ref, lp, x[:, T:])[0]
     for name in METHODS:
         k32, k16 = kl[name, torch.float32], kl[name, torch.bfloat16]
         assert k32 > 0 and abs(k16 - k32) <= KL_ALLOWANCE * k32, (name, k32, k16)

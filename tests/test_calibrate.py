@@ -11,11 +11,13 @@ import torch.nn.functional as F
 from hypothesis import given, settings, strategies as st
 
 import calibrate as C
-import policy_cache as PC
+from engine import policy_cache as PC
 import model as M
 import polykv as P
 from model import UsageError
 from conftest import REPEAT, tiny as tiny_llama
+import baselines as BL
+from engine import calibration as EC
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
@@ -146,7 +148,9 @@ def naive_reference(m, prompt, cont):
 def test_signals_equal_naive_probes(seed):
     m, tx = tiny(seed), texts(seed)
     L = m.config.n_layers
-    sig = C.measure(m, tx, B, "cosine", SET)
+    refs_measured = C.references(m, tx, SET)
+    sig = C.measure(m, refs_measured, B, "cosine", SET)
+    sig.update(EC.uniform_baselines(m, refs_measured, B, SET))
     pairs = [(torch.tensor([p]), torch.tensor([c])) for p, c in tx]
     refs = [naive_reference(m, p, c) for p, c in pairs]
     count = len(tx) * (N - 1)
@@ -159,29 +163,29 @@ def test_signals_equal_naive_probes(seed):
     assert sig["ppl_full"] == pytest.approx(ppl_full, abs=tol)
     for l in range(L):
         assert sig["entropy"][l] == pytest.approx(sum(r[1][l] for r in refs) / len(refs), rel=1e-9)
-    chosen = C.best_rules(sig["prefill"], P.pool(), "cosine")
+    chosen = C.best_rules(sig["prefill"], P.pool(BL.RULES), "cosine")
     assert chosen == [
-        max(P.pool(), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool().index(r)))
+        max(P.pool(BL.RULES), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool(BL.RULES).index(r)))
         for l in range(L)
     ]
     # uniform baselines at equal memory: a fresh prefill compressed by the rule, then the
     # continuation appended by every rule (model.decode without a decoder), whatever its own
     # decode form; every rule then holds the same entries, L·G·(B + N)
     held = L * m.config.n_kv_heads * (B + N)
-    for r in P.pool():
+    for r in P.pool(BL.RULES):
         nll = 0.0
         for p, c in pairs:
-            cache = P.Policy.uniform(r, B, L, settings=SET).prefill(m, p)
+            cache = P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES).prefill(m, p)
             logits = M.decode(m, c, cache)
             assert cache.entries() == held, r
             nll += float(F.cross_entropy(logits[0, :-1], c[0, 1:], reduction="sum"))
         assert sig["uniform_dppl"][r] == pytest.approx(ppl(nll) - ppl_full, abs=tol)
-    assert sig["uniform_memory"] == C.UNIFORM_MEMORY
+    assert sig["uniform_memory"] == EC.UNIFORM_MEMORY
     ref = C.reference(m, *pairs[0], SET)
-    assert {C.uniform_run(m, ref, r, B, SET)[1].entries() for r in P.pool()} == {held}
-    best = C.build(sig, B, settings=SET, cap=T).meta["best_uniform"]
+    assert {EC.uniform_run(m, ref, r, B, SET)[1].entries() for r in P.pool(BL.RULES)} == {held}
+    best = EC.calibrate_paper(m, None, B, texts=tx, settings=SET).meta["best_uniform"]
     assert sig["uniform_dppl"][best] == min(sig["uniform_dppl"].values())
-    for phase, pool in (("prefill", P.pool()), ("decode", P.decode_pool())):
+    for phase, pool in (("prefill", P.pool(BL.RULES)), ("decode", P.decode_pool())):
         for l in range(L):
             for r in pool:
                 pre, dec = (
@@ -252,41 +256,41 @@ def test_planted_sink_layer_chooses_a_rule_that_keeps_position_0(seed):
                 == 0
             ).any()
         )
-        for r in P.pool()
+        for r in P.pool(BL.RULES)
     }
     assert keeps["streaming"] and not keeps["h2o"] and not keeps["tova"]      # the plant works
     assert keeps[pol.layers[layer].prefill[0]]
-    assert min(cos[r][layer] for r in P.pool() if keeps[r]) > max(
-        cos[r][layer] for r in P.pool() if not keeps[r]
+    assert min(cos[r][layer] for r in P.pool(BL.RULES) if keeps[r]) > max(
+        cos[r][layer] for r in P.pool(BL.RULES) if not keeps[r]
     )
 
 
 # ----------------------------------------------------------------------------- construction
 
 def fake_signals(L, best, best_dec, entropy=None):
-    pre = {r: [0.9 if r == best else 0.5] * L for r in P.pool()}
+    pre = {r: [0.9 if r == best else 0.5] * L for r in P.pool(BL.RULES)}
     dec = {r: [0.9 if r == best_dec else 0.5] * L for r in P.decode_pool()}
-    dp = {r: [0.0] * L for r in P.pool()}
+    dp = {r: [0.0] * L for r in P.pool(BL.RULES)}
     dd = {r: [0.0] * L for r in P.decode_pool()}
     return {"entropy": entropy or [2.0] * L, "ppl_full": 3.0,
             "prefill": {"cosine": pre, "dppl": dp}, "decode": {"cosine": dec, "dppl": dd}}
 
 
-@pytest.mark.parametrize("rule", P.pool())
+@pytest.mark.parametrize("rule", P.pool(BL.RULES))
 def test_one_rule_uniform_budgets_equals_uniform_policy(rule):
     m = tiny(3)
     L = m.config.n_layers
     tokens = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(3))
-    uni = P.Policy.uniform(rule, B, L, settings=SET)
+    uni = P.Policy.uniform(rule, B, L, settings=SET, rules=BL.RULES)
     dec = uni.layers[0].decode[0] if rule in P.decode_pool() else "tova"
     pol = C.build(fake_signals(L, rule, dec), B, settings=SET, cap=T)
     assert [lp.prefill for lp in pol.layers] == [lp.prefill for lp in uni.layers]
     if dec != uni.layers[0].decode[0]:        # PolyKV's decode pool has no append: compare so
-        uni = P.Policy.uniform(rule, B, L, decode="tova", settings=SET)
+        uni = P.Policy.uniform(rule, B, L, decode="tova", settings=SET, rules=BL.RULES)
     assert pol.layers == uni.layers
-    pairs = [(pol, uni), (C.pattern_only(pol), uni),
-             (C.budget_only(pol, rule), P.Policy.uniform(rule, B, L, settings=SET)),
-             (C.prefill_only(pol), P.Policy.uniform(rule, B, L, decode="append", settings=SET))]
+    pairs = [(pol, uni), (EC.pattern_only(pol), uni),
+             (EC.budget_only(pol, rule), P.Policy.uniform(rule, B, L, settings=SET, rules=BL.RULES)),
+             (EC.prefill_only(pol), P.Policy.uniform(rule, B, L, decode="append", settings=SET, rules=BL.RULES))]
     for p, q in pairs:
         a, b = P.prefill(m, tokens[:, :T], p), P.prefill(m, tokens[:, :T], q)
         for la, lb in zip(a.layers, b.layers):
@@ -314,21 +318,21 @@ def test_build_budgets_append_and_ablations():
     # every layer keeps its decode rule (layer 0's binds later), so the decode total is L·B
     assert [lp.decode[0] for lp in pp.layers] == ["streaming"] * 4
     assert sum(lp.decode[1] for lp in pp.layers) == 4 * 100
-    po = C.pattern_only(pp)
+    po = EC.pattern_only(pp)
     assert [(lp.prefill, lp.decode) for lp in po.layers] == [
         (("h2o", 100), ("streaming", 100))
     ] * 4
-    pf = C.prefill_only(pp)
+    pf = EC.prefill_only(pp)
     assert [(lp.prefill, lp.decode) for lp in pf.layers] == [
         (lp.prefill, ("append", lp.prefill[1])) for lp in pp.layers
     ]
-    dw = C.decode_with(pp, "tova")               # one decode rule, the same phases' budgets
+    dw = EC.decode_with(pp, "tova")               # one decode rule, the same phases' budgets
     assert [(lp.prefill, lp.decode) for lp in dw.layers] == [
         (lp.prefill, ("tova", lp.decode[1])) for lp in pp.layers
     ]
     with pytest.raises(UsageError, match="unknown decode rule 'snapkv'"):
-        C.decode_with(pp, "snapkv")
-    bo = C.budget_only(pp, "tova")
+        EC.decode_with(pp, "snapkv")
+    bo = EC.budget_only(pp, "tova")
     assert [(lp.prefill, lp.decode) for lp in bo.layers] == [(("tova", 25), ("tova", 325)),
                                                              (("tova", 25), ("tova", 25)),
                                                              (("tova", 25), ("tova", 25)),
@@ -336,7 +340,7 @@ def test_build_budgets_append_and_ablations():
     # all ΔPPL 0: tie -> first
     assert C.build(sig, 100, preference="ppl").layers[0].prefill[0] == "streaming"
     with pytest.raises(UsageError, match="unknown rule 'x'"):
-        C.budget_only(pp, "x")
+        EC.budget_only(pp, "x")
     with pytest.raises(UsageError, match="preference must be"):
         C.build(sig, 100, preference="kl")
 
@@ -350,7 +354,8 @@ def test_policy_for_caches_and_checks_layers(tmp_path):
     first = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, texts=tx, **SAME)
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == [f"polykv-tiny_x-B10-T{T}-seed7-{C.TEXT_VERSION}.json"]
-    marked = P.Policy(first.layers, first.budget, first.settings, {**first.meta, "mark": 1})
+    marked = P.Policy(first.layers, first.budget, first.settings, {**first.meta, "mark": 1},
+                      rules=BL.RULES)
     marked.save(files[0])                         # a later call loads the file, no recalibration
     again = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=tmp_path, **SAME)
     assert again.layers == first.layers and again.meta["mark"] == 1
@@ -369,7 +374,8 @@ def test_policy_for_reads_shipped_policies_and_recalibrates(tmp_path):
     shipped, cache = tmp_path / "shipped", tmp_path / "cache"
     made = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=shipped, texts=tx, **SAME)
     [file] = shipped.iterdir()
-    marked = P.Policy(made.layers, made.budget, made.settings, {**made.meta, "mark": 1})
+    marked = P.Policy(made.layers, made.budget, made.settings, {**made.meta, "mark": 1},
+                      rules=BL.RULES)
     marked.save(file)
     got = PC.policy_for(m, None, "tiny/x", B, seed=7, cache_dir=cache, shipped=shipped, **SAME)
     assert got.meta["mark"] == 1 and got.layers == made.layers and not cache.exists()
@@ -417,7 +423,7 @@ def test_build_refuses_a_preference_the_decode_probes_did_not_run_under():
     """The decode signals are measured under the prefill rules `measure`'s preference chose;
     building with a preference that chooses other prefill rules is refused."""
     m, tx = tiny(4), texts(4)
-    sig = C.measure(m, tx, B, "cosine", SET)
+    sig = C.measure(m, C.references(m, tx, SET), B, "cosine", SET)
     other = C.best_rules(sig["prefill"], list(sig["prefill"]["cosine"]), "ppl")
     if other == sig["decode_probe_prefill"]:
         pytest.skip("both preferences choose the same prefill rules on this model")

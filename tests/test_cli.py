@@ -9,13 +9,17 @@ from pathlib import Path
 
 import pytest
 
-import bench
+from engine import bench
 import calibrate as C
-import calibrate_joint as J
+from engine import calibrate_joint as J
 import evaluate as E
-import oracle
+from engine import oracle
 import polykv as P
-from support import cli, report
+from support import cli
+from engine import policy_tables as PT
+from engine import report
+from engine import harness as H
+import baselines as BL
 
 
 def ran(main, argv, capsys, on_ctrl_c="interrupted") -> tuple:
@@ -42,7 +46,7 @@ def files(tmp_path_factory, tiny_dir):
     (d / "file").write_text("not a folder")
     layers = [P.LayerPolicy(("tova", 16), ("tova", 16))] * 2                   # tiny_dir: 2 layers
     P.Policy(layers, 16, meta={"model": "Qwen3-8B"}).save(d / "qwen.json")
-    P.Policy.uniform("tova", 16, 2).save(d / "policy.json")
+    P.Policy.uniform("tova", 16, 2, rules=BL.RULES).save(d / "policy.json")
     (d / "garbled").mkdir()
     (d / "garbled" / "samples.jsonl").write_text('{"key": "a"}\n{"key": "b", x}\n{"key": "c"}\n')
     (d / "longbench").mkdir()
@@ -107,7 +111,7 @@ def test_evaluate_bad_input_is_one_line(files, tmp_path, capsys, extra, message)
 
 def test_duplicates_are_dropped_as_protocol_does():
     """--methods full,snapkv,snapkv,full --budget 64,64: each row once (the first order kept)."""
-    args = E.parse(["--methods", "full,snapkv,snapkv,full", "--budget", "64,64,32",
+    args = H.parse(["--methods", "full,snapkv,snapkv,full", "--budget", "64,64,32",
                     "--tasks", "niah_single_1,niah_single_1", "--length", "256,256",
                     "--protocol", "prompt,prompt"])
     assert (args.methods, args.budget, args.tasks, args.length, args.protocol) == \
@@ -115,11 +119,11 @@ def test_duplicates_are_dropped_as_protocol_does():
 
 
 OTHERS = [   # (command, argv, the error line's start)
-    (C.main, ["--show", "{policy}", "--shuffle", "0", "--out", "{dir}/x.json"],
-     "error: --out with --show is where --shuffle N writes its JSON"),
-    (C.main, ["--shuffle", "5"], "error: --shuffle N is the placement control of --show POLICY"),
-    (C.main, ["--show", "{policy}", "--shuffle", "-3"], "error: --shuffle must be >= 0, got -3"),
-    (C.main, ["--show", "{policy}", "--shuffle", "1", "--n-prompts", "0"],
+    (PT.main, ["{policy}", "--shuffle", "0", "--out", "{dir}/x.json"],
+     "error: --out is where --shuffle N writes its JSON"),
+    (PT.main, ["--shuffle", "5"], "error: the following arguments are required: POLICY"),
+    (PT.main, ["{policy}", "--shuffle", "-3"], "error: --shuffle must be >= 0, got -3"),
+    (PT.main, ["{policy}", "--shuffle", "1", "--n-prompts", "0"],
      "error: --n-prompts must be >= 1, got 0"),
     (C.main, ["--out", "{dir}"], "error: cannot write '{dir}': it is a folder"),
     (C.main, ["--budget", "x"], "error: argument --budget: invalid int value: 'x'"),
@@ -154,7 +158,7 @@ OTHERS = [   # (command, argv, the error line's start)
 @pytest.mark.parametrize("main, argv, message", OTHERS,
                          ids=[f"{m.__module__} {' '.join(a)}" for m, a, _ in OTHERS])
 def test_other_commands_bad_input_is_one_line(files, capsys, main, argv, message):
-    """calibrate.py, python -m support.report, bench.py, oracle.py: before any model is loaded."""
+    """calibrate.py, python -m engine.report, bench.py, oracle.py: before any model is loaded."""
     before = sorted(p.name for p in Path(files["dir"]).iterdir())
     line = one_error_line(main, [a.format(**files) for a in argv], capsys)
     assert line.startswith(message.format(**files))

@@ -13,14 +13,16 @@ import torch
 
 import baselines as BL
 import calibrate as C
-import calibrate_joint as J
+from engine import calibrate_joint as J
 import evaluate as E
 import gracekv as GK
 import model as M
-import policy_cache as PC
+from engine import policy_cache as PC
 import polykv as P
 from conftest import REPEAT, tiny
 import gracekv_variants as V
+from engine import harness as H
+from engine import observe as OB
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 GSET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
@@ -49,24 +51,24 @@ def hand_policy(L: int) -> P.Policy:
     layers = [P.LayerPolicy(("snapkv", 8), ("h2o", 10)),
               P.LayerPolicy(("tova", 12), ("tova", 12)),
               P.LayerPolicy(("kvzip", 16), ("streaming", 14))]
-    return P.Policy(layers, BUDGET, SET)
+    return P.Policy(layers, BUDGET, SET, rules=BL.RULES)
 
 
 def make(name: str, L: int) -> P.Method:
-    """The method `name` of evaluate.all_methods() on the tiny model: PolyKV's rows are their
+    """The method `name` of H.all_methods() on the tiny model: PolyKV's rows are their
     transform (policy_cache.VARIANTS) of the hand-made policy, GraceKV's rows use small settings."""
     if name in PC.VARIANTS:
         return PC.VARIANTS[name][1](hand_policy(L))
     if V.is_row(name):
         settings, formulas = V.build({**GSET.__dict__, **V.overrides(name)})
         return GK.GraceKV(BUDGET, settings, formulas)
-    return E.method(name, BUDGET, L, SET)
+    return H.method(name, BUDGET, L, SET)
 
 
 def run(m, method, x):
     """observe, compress, teacher-force N tokens (token by token through the method's decoder)
     and 3 greedy tokens: (kept (pos, bias, head) per layer, log p (N, V), greedy ids)."""
-    full, obs = P.observe(m, x[:, :T], method.needs(m))
+    full, obs = OB.observe(m, x[:, :T], method.needs(m))
     cache = method.compress(m, full, obs)
     kept = [(lc.pos, lc.bias, lc.head) for lc in cache.layers]
     lp, _ = M.teacher_force(m, cache.fork(), x[:, T:], method.decoder, stepwise=True)
@@ -89,7 +91,7 @@ def assert_same(a, b):
         assert a == b
 
 
-@pytest.mark.parametrize("name", E.all_methods())
+@pytest.mark.parametrize("name", H.all_methods())
 def test_method_makes_every_tensor_on_its_inputs_device(name):
     """observe -> compress -> decode (the method's decoder where it evicts) -> greedy."""
     m = tiny()
@@ -101,7 +103,7 @@ def test_method_makes_every_tensor_on_its_inputs_device(name):
 
 
 class Made:
-    """What evaluate.run_protocol asks of its methods (evaluate.Methods.get), for given methods."""
+    """What H.run_protocol asks of its methods (H.Methods.get), for given methods."""
 
     def __init__(self, methods: dict):
         self.methods = methods
@@ -114,18 +116,18 @@ class Made:
 
 @pytest.mark.parametrize("protocol", ["prompt", "context", "agnostic"])
 def test_protocols_make_every_tensor_on_the_inputs_device(protocol):
-    """evaluate.run_protocol under each protocol (cut and join for `context`, the question fed
+    """H.run_protocol under each protocol (cut and join for `context`, the question fed
     afterwards for `agnostic`): the same rows (KL, ΔNLL, top-1, memory fractions)."""
     m = tiny()
     L = m.config.n_layers
     x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(2))
     names = ("snapkv", "h2o", "adakv", "kvzip", "expected", "gracekv", "polykv")
     methods = Made({(n, BUDGET): make(n, L) for n in names})
-    item = E.Item("fidelity", 0, T, x[:, :T], target=x[:, T:], split=(5, 6))
+    item = H.Item("fidelity", 0, T, x[:, :T], target=x[:, T:], split=(5, 6))
     todo = [(n, BUDGET) for n in names]
 
     def rows():
-        out = E.run_protocol(m, None, methods, item, protocol, todo)
+        out = H.run_protocol(m, None, methods, item, protocol, todo)
         return [{k: v for k, v in r.items() if not k.endswith("_s")} for r in out]   # no timings
     want = rows()
     assert_same(on_meta_default(rows), want)
@@ -152,7 +154,7 @@ def test_calibration_makes_every_tensor_on_the_inputs_device(procedure):
 
     def signals():                       # the joint sweep's wall time left out
         if procedure == "paper":
-            return C.measure(m, pairs, 10, "cosine", SET)
+            return C.measure(m, C.references(m, pairs, SET), 10, "cosine", SET)
         sig = J.measure_joint(m, pairs, 10, signal="cosine", settings=SET)
         return {k: v for k, v in sig.items() if k != "seconds"}
     assert_same(on_meta_default(signals), signals())

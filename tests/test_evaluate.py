@@ -11,7 +11,10 @@ import torch
 
 import evaluate as E
 import model as M
-from support import compare, report, run_folder
+from engine import compare, report, run_folder
+from engine import harness as H
+from engine import observe as OB
+import baselines as BL
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -69,14 +72,14 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(
             assert r["kv_fraction"] <= r["budget"] / r["n_tokens"] + 1e-12
 
     # interrupt after 2 of the 4 prompts: finished ones are on disk, the rerun does the rest
-    real, calls = E.run_item, []
+    real, calls = H.run_item, []
 
     def flaky(*a, **kw):
         calls.append(1)
         if len(calls) == 3:
             raise KeyboardInterrupt
         return real(*a, **kw)
-    monkeypatch.setattr(E, "run_item", flaky)
+    monkeypatch.setattr(H, "run_item", flaky)
     with pytest.raises(KeyboardInterrupt):
         run(tiny_dir, tmp_path / "b", "--policy", str(policy_file))
     assert len((tmp_path / "b" / "samples.jsonl").read_text().splitlines()) == 2 * 8 * 2
@@ -84,14 +87,14 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(
     (tmp_path / "c").mkdir()
     part = (tmp_path / "b" / "samples.jsonl").read_text().splitlines()[:-3]
     (tmp_path / "c" / "samples.jsonl").write_text("\n".join(part) + "\n")
-    monkeypatch.setattr(E, "run_item", None)                       # nothing may run
+    monkeypatch.setattr(H, "run_item", None)                       # nothing may run
     got = run(tiny_dir, tmp_path / "c", "--policy", str(policy_file), "--report")
     kept = [json.loads(l) for l in part]
     kept = [r for r in kept if (r["task"], r["index"]) == (kept[0]["task"], kept[0]["index"])]
     assert len(kept) == 8 * 2 and len(part) == 2 * 8 * 2 - 3       # one whole prompt, one torn
     names = "full,streaming,snapkv,h2o,polykv,polykv-pattern,polykv-budget,gracekv".split(",")
     want = report.summarize(
-        kept, names, [24, 48], E.baselines(), [n for n in names if n.startswith("polykv")]
+        kept, names, [24, 48], H.baselines(), [n for n in names if n.startswith("polykv")]
     )
     assert (
         got["rows"] == [{**d, "protocol": "prompt"} for d in want]
@@ -99,7 +102,7 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(
     )
     assert got["config"]["prompts"] == "1 of 4 (--report)"
     assert len((tmp_path / "c" / "samples.jsonl").read_text().splitlines()) == len(part)
-    monkeypatch.setattr(E, "run_item", real)
+    monkeypatch.setattr(H, "run_item", real)
     calls.clear()
     resumed = run(tiny_dir, tmp_path / "b", "--policy", str(policy_file))
 
@@ -265,7 +268,7 @@ def test_committed_results_take_their_documented_command(folder, argv):
     out = ROOT / folder
     before = sorted(p.name for p in out.iterdir())
     for extra, refused in (([], False), (["--seed", "5"], True)):
-        args = E.parse(argv + extra + ["--out", str(out)])
+        args = H.parse(argv + extra + ["--out", str(out)])
         fixed = E.run_settings(args, "torch.float32", "0" * 64)
         check = functools.partial(run_folder.check, out, fixed, {"data": None, "policy": None},
                                   E.run_grid(args), E.LEGACY_DEFAULTS, False)
@@ -279,7 +282,7 @@ def test_committed_results_take_their_documented_command(folder, argv):
 
 def test_longbench_scores_are_in_every_table(tiny_dir, tmp_path, capsys):
     """A LongBench run: its scores are columns of summary.md, of the table it prints and of
-    `python -m support.report`'s, as in summary.json."""
+    `python -m engine.report`'s, as in summary.json."""
     data = tmp_path / "data"
     data.mkdir()
     row = {"input": "Who met Bob?", "context": "Ann met Bob. " * 8, "answers": ["Ann"]}
@@ -327,7 +330,7 @@ def test_paired_bootstrap_known_cases():
     score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 50 * (i % 2),
              "polykv": lambda i: 75}
     names = list(kl)
-    summary = report.summarize(fake_rows(kl, score), names, [64], E.baselines(), ["polykv"])
+    summary = report.summarize(fake_rows(kl, score), names, [64], H.baselines(), ["polykv"])
     get = {(d["method"], d["task"], d["metric"]): d for d in summary}
     sn, tv, pk = (get[(m, "fidelity", "kl")] for m in ("snapkv", "tova", "polykv"))
     assert sn["value"] == pytest.approx(0.225) and sn["ci_low"] < 0.225 < sn["ci_high"]
@@ -381,7 +384,7 @@ def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
     kl = {"full": lambda i: 0.0, "snapkv": lambda i: 0.1, "tova": lambda i: 0.2}
     rows = [r for r in fake_rows(kl, {m: (lambda i: 50) for m in kl}) if r["task"] != "fidelity"]
     summary = [{**d, "protocol": p} for p in ("prompt", "agnostic")
-               for d in report.summarize(rows, list(kl), [64], E.baselines())]
+               for d in report.summarize(rows, list(kl), [64], H.baselines())]
     fig = report.plot(summary, list(kl), tmp_path)
     assert len(fig.axes) == 2 and all("answer" in ax.get_title() for ax in fig.axes)
     assert all(len(ax.get_lines()) == 2 and ax.get_legend() is not None for ax in fig.axes)
@@ -407,15 +410,15 @@ def test_policy_and_summary_writes_are_atomic(tmp_path, monkeypatch):
     import polykv as P
     from support import files
     f = tmp_path / "policy.json"
-    pol = P.Policy.uniform("tova", 8, 2)
+    pol = P.Policy.uniform("tova", 8, 2, rules=BL.RULES)
     pol.save(f)
     before = f.read_text()
     real = files.os.replace
     monkeypatch.setattr(files.os, "replace", lambda *a: (_ for _ in ()).throw(KeyboardInterrupt))
     with pytest.raises(KeyboardInterrupt):
-        P.Policy.uniform("h2o", 8, 2).save(f)
+        P.Policy.uniform("h2o", 8, 2, rules=BL.RULES).save(f)
     monkeypatch.setattr(files.os, "replace", real)
-    assert f.read_text() == before and P.Policy.load(f).layers == pol.layers
+    assert f.read_text() == before and P.Policy.load(f, rules=BL.RULES).layers == pol.layers
 
 
 def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
@@ -426,19 +429,19 @@ def test_memory_allocated_equals_entries_and_peaks_are_equal(tiny_dir):
     x = torch.randint(0, 200, (1, 60), generator=torch.Generator().manual_seed(0))
     cont = torch.randint(0, 200, (1, 9), generator=torch.Generator().manual_seed(1))
     L, G = m.config.n_layers, m.config.n_kv_heads
-    snap = P.Policy.uniform("snapkv", 16, L).with_allowance(9)
-    tova = P.Policy.uniform("tova", 16, L).with_allowance(9)
-    full, obs = P.observe_for(m, x, [snap, tova])
+    snap = P.Policy.uniform("snapkv", 16, L, rules=BL.RULES).with_allowance(9)
+    tova = P.Policy.uniform("tova", 16, L, rules=BL.RULES).with_allowance(9)
+    full, obs = OB.observe_for(m, x, [snap, tova])
     peaks = []
     for pol in (snap, tova):
         cache = pol.compress(m, full, obs)
         assert cache.allocated() == cache.entries() == L * G * 16
-        assert not pol.evicts_within(60, 9) and P.Policy.uniform("tova", 16, L).evicts_within(60, 9)
+        assert not pol.evicts_within(60, 9) and P.Policy.uniform("tova", 16, L, rules=BL.RULES).evicts_within(60, 9)
         _, peak = M.teacher_force(m, cache, cont, pol.decoder, stepwise=True)
         peaks.append(peak)
     assert peaks[0] == peaks[1] == (L * G * (16 + 8), L * G * (16 + 8))
-    _, evicting = M.teacher_force(m, P.Policy.uniform("tova", 16, L).compress(m, full, obs), cont,
-                                  P.Policy.uniform("tova", 16, L).decoder, stepwise=True)
+    _, evicting = M.teacher_force(m, P.Policy.uniform("tova", 16, L, rules=BL.RULES).compress(m, full, obs), cont,
+                                  P.Policy.uniform("tova", 16, L, rules=BL.RULES).decoder, stepwise=True)
     assert evicting == (L * G * 16, L * G * 16)                       # the paper's protocol
 
 
@@ -483,7 +486,7 @@ def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any
     run(tiny_dir, tmp_path / "b", "--calibration-length", "1000", "--methods", "full,snapkv")
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(M.UsageError, match=r"--report runs in one process \(no torchrun\)"):
-        E.parse(["--report"])
+        H.parse(["--report"])
 
 
 def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
@@ -521,7 +524,7 @@ def test_torchrun_two_ranks_equal_one_process(tiny_dir, policy_file, tmp_path):
 def test_report_cli_reprints_a_subset(tmp_path, capsys):
     kl = {"full": lambda i: 0.0, "snapkv": lambda i: 0.1 + 0.01 * i, "tova": lambda i: 0.2}
     score = {m: (lambda i: 50) for m in kl}
-    summary = report.summarize(fake_rows(kl, score), list(kl), [64], E.baselines())
+    summary = report.summarize(fake_rows(kl, score), list(kl), [64], H.baselines())
     f = tmp_path / "summary.json"
     f.write_text(
         json.dumps(
@@ -559,7 +562,7 @@ def test_versus_is_the_paired_difference(tmp_path, capsys):
     f.write_text(
         json.dumps(
             {"config": {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"]},
-             "rows": report.summarize(rows, list(kl), [64], E.baselines())}
+             "rows": report.summarize(rows, list(kl), [64], H.baselines())}
         )
     )
     with pytest.raises(M.UsageError, match="needs the per-sample rows"):
@@ -596,7 +599,7 @@ def test_before_is_each_method_minus_itself_in_another_run(tmp_path, capsys):
         methods = sorted({r["method"] for r in rows})
         (tmp_path / name / "summary.json").write_text(json.dumps(
             {"config": {"methods": methods, "budgets": [64], "tasks": ["niah_single_1"]},
-             "rows": report.summarize(rows, methods, [64], E.baselines())}))
+             "rows": report.summarize(rows, methods, [64], H.baselines())}))
     report.main([str(tmp_path / "new" / "summary.json"), "--before",
                  str(tmp_path / "old" / "summary.json")])
     assert lines[0] in capsys.readouterr().out

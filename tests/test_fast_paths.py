@@ -1,6 +1,6 @@
 """The fast paths against the naive forms they replace: the shared observation in query chunks
-(support/fast_observe.py, polykv.observe's default) against the whole attention matrix of each
-layer (polykv.observe_layer_naive), for every method that needs no calibration: the same
+(engine/observe.py, polykv.observe's default) against the whole attention matrix of each
+layer (OB.observe_layer_whole), for every method that needs no calibration: the same
 statistics, the same kept sets and the same decoded logits; and GraceKV's budget flow with the
 splits evaluated ahead in batches (gracekv.allocate_prefetched, the default) against the
 paper's loop one node at a time (gracekv.allocate). Tiny random LLaMA in fp64, chunks of 5
@@ -16,11 +16,14 @@ import gracekv_variants as V
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
+from engine import harness as H
+from engine import observe as OB
+import baselines as BL
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 GRACE = "[window=4;slot_min=3;slot_max=8;slot_target=5;bend_widths=(2,3);prefetch=3;seeds=3]"
 T, BUDGET, N = 40, 12, 4
-NAMES = [n for n in E.all_methods() if E.family(n) != "polykv" and n != "full"]
+NAMES = [n for n in H.all_methods() if H.family(n) != "polykv" and n != "full"]
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
@@ -28,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 def make(name: str, L: int) -> P.Method:
     if V.is_row(name):
         return V.variant(name + GRACE, BUDGET)
-    return E.method(name, BUDGET, L, SET)
+    return H.method(name, BUDGET, L, SET)
 
 
 def same_statistics(a, b):
@@ -52,10 +55,10 @@ def test_chunked_observation_equals_the_naive_one_for_every_method(seed):
     m = tiny(seed)
     x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(seed))
     methods = {n: make(n, m.config.n_layers) for n in NAMES}
-    needs = P.union([meth.needs(m) for meth in methods.values()], m.config.n_layers)
+    needs = OB.union([meth.needs(m) for meth in methods.values()], m.config.n_layers)
     assert needs.chunk == 5 and needs.extra           # several chunks; GraceKV's flow too
-    full, fast = P.observe(m, x[:, :T], needs)
-    _, naive = P.observe(m, x[:, :T], needs, layer_pass=P.observe_layer_naive)
+    full, fast = OB.observe(m, x[:, :T], needs)
+    _, naive = OB.observe(m, x[:, :T], needs, layer_pass=OB.observe_layer_whole)
     same_statistics(fast, naive)
     for name, meth in methods.items():
         a, b = meth.compress(m, full, fast), meth.compress(m, full, naive)
@@ -77,9 +80,9 @@ def test_the_naive_layer_pass_reads_the_whole_matrix():
 
     def spy(layer, q, q_pos, lc, out):
         seen[layer] = (q, q_pos, lc)
-    P.observe(m, x, P.Needs(), spy=spy)
+    OB.observe(m, x, P.Needs(), spy=spy)
     q, q_pos, lc = seen[1]
-    out, _ = P.observe_layer_naive(q, q_pos, lc, ("colsum", "window", "last"), 6)[x.shape[1]]
+    out, _ = OB.observe_layer_whole(q, q_pos, lc, ("colsum", "window", "last"), 6)[x.shape[1]]
     A = M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                # (1, H, T, T)
     Tn = x.shape[1]
     for h in range(A.shape[1]):
@@ -95,21 +98,21 @@ def test_the_naive_layer_pass_reads_the_whole_matrix():
 @pytest.mark.parametrize("seed", [0, 1])
 def test_the_fused_kernel_is_the_models_attention(seed):
     """Where the statistics read every query row, the chunked pass computes the layer's
-    attention output too (polykv.observe_prefixes, fuse): that output is model.attention's, the
+    attention output too (OB.observe_prefixes, fuse): that output is model.attention's, the
     statistics, cache and kept sets those of the pass beside the model's own kernel (fuse=False),
     and the last logits too, to rounding (fp64). H2O's column sums make every layer fused; the
     query rows go in several chunks (FUSED_ROWS > T, so needs.chunk = 5 sets them)."""
     m = tiny(seed)
     x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(seed))
     methods = {n: make(n, m.config.n_layers) for n in NAMES}
-    needs = P.union([meth.needs(m) for meth in methods.values()], m.config.n_layers)
+    needs = OB.union([meth.needs(m) for meth in methods.values()], m.config.n_layers)
     assert all("colsum" in names for names in needs.stats)
     outs = {}
 
     def spy(layer, q, q_pos, lc, out):
         outs[layer] = out, M.attention(q, lc.k, lc.v, lc.bias, q_pos, lc.pos)
-    full, fused = P.observe_prefixes(m, x[:, :T], needs, (T,), spy)[T]
-    plain_full, plain = P.observe_prefixes(m, x[:, :T], needs, (T,), fuse=False)[T]
+    full, fused = OB.observe_prefixes(m, x[:, :T], needs, (T,), spy)[T]
+    plain_full, plain = OB.observe_prefixes(m, x[:, :T], needs, (T,), fuse=False)[T]
     assert len(outs) == m.config.n_layers
     for out, explicit in outs.values():
         torch.testing.assert_close(out, explicit, rtol=1e-12, atol=1e-14)
@@ -122,23 +125,23 @@ def test_the_fused_kernel_is_the_models_attention(seed):
             torch.testing.assert_close(la.k, lb.k, rtol=1e-10, atol=1e-12)
 
 
-@pytest.mark.parametrize("layer_pass", [P.observe_layer, P.observe_layer_naive])
+@pytest.mark.parametrize("layer_pass", [OB.observe_layer, OB.observe_layer_whole])
 @pytest.mark.parametrize("b", [T - 7, T - 5, T - 1])
 def test_one_pass_observes_the_prompt_and_its_prefix(layer_pass, b):
     """One prefill of the whole prompt observes the prefix tokens[:, :b] too (the `agnostic`
-    protocol's prefix + context; polykv.observe_prefixes): its statistics, cache, last logits
+    protocol's prefix + context; OB.observe_prefixes): its statistics, cache, last logits
     and surprisal, and every method's kept set and decoded logits, equal those of a prefill of
     the prefix alone; the whole prompt's equal a prefill observing it alone. b − T of 7, 5 and 1
     rows: the prefix ends inside a chunk of 5 query rows, at its edge, and one row short."""
     m = tiny(0)
     x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(0))
     methods = {n: make(n, m.config.n_layers) for n in NAMES}
-    needs = replace(P.union([meth.needs(m) for meth in methods.values()], m.config.n_layers),
+    needs = replace(OB.union([meth.needs(m) for meth in methods.values()], m.config.n_layers),
                     surprisal=True)
-    both = P.observe_prefixes(m, x[:, :T], needs, (T, b), layer_pass=layer_pass)
+    both = OB.observe_prefixes(m, x[:, :T], needs, (T, b), layer_pass=layer_pass)
     for e in (T, b):
         full, obs = both[e]
-        alone_full, alone = P.observe(m, x[:, :e], needs, layer_pass=layer_pass)
+        alone_full, alone = OB.observe(m, x[:, :e], needs, layer_pass=layer_pass)
         same_statistics(obs, alone)
         torch.testing.assert_close(obs.surprisal, alone.surprisal, rtol=1e-10, atol=1e-12)
         torch.testing.assert_close(full.last_logits, alone_full.last_logits, rtol=1e-10,
@@ -155,7 +158,7 @@ def test_one_pass_observes_the_prompt_and_its_prefix(layer_pass, b):
             lc = M.decode(m, x[:, e:], c.fork(), meth.decoder)
             torch.testing.assert_close(la, lc, rtol=1e-8, atol=1e-10)
     with pytest.raises(M.UsageError, match="prefix lengths"):
-        P.observe_prefixes(m, x[:, :T], needs, (T + 1,))
+        OB.observe_prefixes(m, x[:, :T], needs, (T + 1,))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -167,7 +170,7 @@ def test_prefetched_budget_flow_equals_the_paper_loop(seed, variant):
     x = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
     method = V.variant(variant + GRACE, BUDGET)
     settings, formulas = method.settings, method.formulas
-    full, obs = P.observe(m, x, method.needs(m))
+    full, obs = OB.observe(m, x, method.needs(m))
     flow = GK.flow_of(obs, settings.window)
 
     def spans(plan):
@@ -188,24 +191,24 @@ def test_prefetched_budget_flow_equals_the_paper_loop(seed, variant):
 def test_the_whole_pipeline_runs_on_the_naive_forms_alone():
     """Every method that needs no calibration, and a mixed per-layer PolyKV policy, run end to
     end on the naive forms alone (the explicit attention and concatenating appends,
-    `model.Llama(fast=False)`; each layer's statistics from its whole attention matrix,
-    `polykv.observe_layer_naive`; GraceKV's budget flow one node at a time, `gracekv.allocate`)
+    `model.Llama(cfg)` (no speed handed in); each layer's statistics from its whole attention matrix,
+    `OB.observe_layer_whole`; GraceKV's budget flow one node at a time, `gracekv.allocate`)
     keep the same sets and decode the same logits, to rounding, as with every fast path on.
     (KVzip's reconstruction pass has one form, tested against the naive reconstruction in
     tests/test_baselines.py.)"""
     fast_model, naive_model = tiny(4), tiny(4, fast=False)
-    assert not naive_model.fast and fast_model.fast
+    assert naive_model.speed is None and fast_model.speed is not None
     L = fast_model.config.n_layers
     x = torch.randint(1, 50, (1, T + N), generator=torch.Generator().manual_seed(4))
     methods = {n: make(n, L) for n in NAMES}
-    rules = P.prefill_rules()
+    rules = P.prefill_rules(BL.RULES)
     mixed = P.Policy([P.LayerPolicy((rules[l % len(rules)], BUDGET), ("append", 0))
-                      for l in range(L)], BUDGET, SET)
+                      for l in range(L)], BUDGET, SET, rules=BL.RULES)
     methods["polykv (mixed rules)"] = mixed
-    needs = P.union([meth.needs(fast_model) for meth in methods.values()], L)
-    full, fast = P.observe(fast_model, x[:, :T], needs)
-    full_naive, naive = P.observe(naive_model, x[:, :T], needs,
-                                  layer_pass=P.observe_layer_naive)
+    needs = OB.union([meth.needs(fast_model) for meth in methods.values()], L)
+    full, fast = OB.observe(fast_model, x[:, :T], needs)
+    full_naive, naive = OB.observe(naive_model, x[:, :T], needs,
+                                  layer_pass=OB.observe_layer_whole)
     same_statistics(fast, naive)
     for name, meth in methods.items():
         slow = replace(meth, budget_flow=GK.allocate) if isinstance(meth, GK.GraceKV) else meth

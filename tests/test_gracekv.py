@@ -8,10 +8,12 @@ from hypothesis import given, strategies as st
 
 import gracekv as GK
 import gracekv_variants as V
-from support import fast_attention as FA
+from engine import fast_attention as FA
 from support import greedy
 import model as M
 from conftest import tiny as tiny_llama
+from engine import harness as H
+from engine import observe as OB
 
 SET = GK.Settings(
     window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3), prefetch=3, seeds=3
@@ -212,17 +214,17 @@ def test_surprisal_term_of_the_boundaries_equals_naive():
     log-softmax of the full forward (0 for the first token); b(λ_s) = b(0) + λ_s·z(surprisal)
     over the context; the `context` protocol's cut keeps the context's own values."""
     from dataclasses import replace
-    from support import protocols as PR
+    from engine import protocols as PR
     m, x = tiny(), tokens(3, 41)
     s, off = replace(SET, lambda_s=0.7), replace(SET, lambda_s=0.0)
-    full, obs = GK.polykv.observe(m, x, GK.needs(s, m.config.n_layers))
+    full, obs = OB.observe(m, x, GK.needs(s, m.config.n_layers))
     lp = torch.log_softmax(m.forward(x), -1)                                  # (1, T, V)
     want = torch.cat(
         (torch.zeros(1, 1, dtype=lp.dtype), -lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]), 1
     )
     torch.testing.assert_close(obs.surprisal, want, rtol=1e-12, atol=1e-12)
     # λ_s = 0: not observed
-    assert GK.polykv.observe(m, x, GK.needs(off, m.config.n_layers))[1].surprisal is None
+    assert OB.observe(m, x, GK.needs(off, m.config.n_layers))[1].surprisal is None
     Tc = x.shape[1] - s.window
     b0, b1 = (GK.slot_bends(m, full, Tc, st_, torch.float64, obs.surprisal) for st_ in (off, s))
     torch.testing.assert_close(b1, b0 + 0.7 * GK.robust_z(want[0, :Tc]), rtol=1e-12, atol=1e-12)
@@ -538,7 +540,7 @@ def test_rows_with_settings_in_brackets():
     base = V.variant("gracekv-v1", 128)
     assert got.budget == 128 and got.settings.seeds == 64 and got.settings.hop_depths == (0.5, 1.0)
     assert got.formulas == base.formulas and got.settings.floor_frac == base.settings.floor_frac
-    assert E.method_list("full,gracekv[seeds=8;hop_depths=(0.5,1.0)],snapkv") == \
+    assert H.method_list("full,gracekv[seeds=8;hop_depths=(0.5,1.0)],snapkv") == \
         ["full", "gracekv[seeds=8;hop_depths=(0.5,1.0)]", "snapkv"]
     for bad in ("gracekv[nope=1]", "gracekv[key=1]", "gracekv[seeds=x]", "gracekv[seeds=1",
                 "nokv[seeds=1]"):

@@ -1,4 +1,4 @@
-"""PolyKV's joint calibration (calibrate_joint.py): every score it records equals a
+"""PolyKV's joint calibration (engine/calibrate_joint.py): every score it records equals a
 naive full-model run
 of the policy it stands for, the sweeps never raise the calibration KL, the budgets keep their
 sum, and the policy file says which procedure made it. Tiny random LLaMAs in fp64."""
@@ -7,12 +7,14 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 import calibrate as C
-import calibrate_joint as J
+from engine import calibrate_joint as J
 import model as M
-import policy_cache as PC
+from engine import policy_cache as PC
 import polykv as P
-from support import policy_tables
+from engine import policy_tables
 from test_calibrate import SET, B, N, T, texts, tiny
+import baselines as BL
+from engine import policy_tables as PT
 
 pytestmark = pytest.mark.usefixtures("one_thread")   # conftest.one_thread
 
@@ -57,9 +59,9 @@ def test_joint_scores_equal_naive_runs(seed, signal):
     m, tx = tiny(seed), texts(seed)
     L = m.config.n_layers
     sig = J.measure_joint(m, tx, B, signal=signal, settings=SET)
-    for r in P.pool():                                   # every uniform rule, end to end
+    for r in P.pool(BL.RULES):                                   # every uniform rule, end to end
         assert sig["uniform_kl"][r] == pytest.approx(
-            naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET)), rel=1e-4, abs=1e-7
+            naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES)), rel=1e-4, abs=1e-7
         )
     assert sig["uniform_kl"][sig["start"]] == min(sig["uniform_kl"].values())
     uni = J.policy_of(sig["rules"], [B] * L, SET)      # the chosen rules at the uniform budget
@@ -88,10 +90,10 @@ def test_joint_policy_file_records_its_procedure(tmp_path):
     pol = J.calibrate_joint(m, None, B, texts=tx, settings=SET, probes=0, retrieval=None,
                             model_name="x")
     same = dict(settings=SET, prompt_len=T, cont_len=N)       # what it was made with
-    assert pol.meta["procedure"] == "joint" and pol.meta["best_uniform"] in P.pool()
+    assert pol.meta["procedure"] == "joint" and pol.meta["best_uniform"] in P.pool(BL.RULES)
     f = tmp_path / "p.json"
     pol.save(f)
-    again = P.Policy.load(f, n_layers=m.config.n_layers)
+    again = P.Policy.load(f, n_layers=m.config.n_layers, rules=BL.RULES)
     assert again.layers == pol.layers and again.meta["signals"]["rules"] == [
         lp.prefill[0] for lp in pol.layers
     ]
@@ -161,9 +163,9 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
         m, None, B, texts=tx, probe_pairs=probes, retrieval=retrieval, settings=SET
     )
     sig = pol.meta["signals"]
-    for r in P.pool():
+    for r in P.pool(BL.RULES):
         assert sig["uniform_probe"][r] == pytest.approx(
-            naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET)), rel=1e-4, abs=1e-7
+            naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES)), rel=1e-4, abs=1e-7
         )
     assert sig["final"]["kl"] == pytest.approx(naive_kl(m, tx, pol), rel=1e-4, abs=1e-7)
     assert sig["final"]["probe"] == pytest.approx(naive_probe(m, probes, pol), rel=1e-4, abs=1e-7)
@@ -182,7 +184,7 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
     else:                                              # the weighted start: KL + w·probe
         w = retrieval
         assert sig["start"] == min(
-            P.pool(), key=lambda r: sig["uniform_kl"][r] + w * sig["uniform_probe"][r]
+            P.pool(BL.RULES), key=lambda r: sig["uniform_kl"][r] + w * sig["uniform_probe"][r]
         )
 
 
@@ -190,13 +192,13 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
 def test_shuffled_routes_keep_counts_and_budgets():
     m = tiny(3)
     pol = J.calibrate_joint(m, None, B, texts=texts(3), settings=SET, probes=0, retrieval=None)
-    routes = C.shuffled(pol, 6, seed=1)
+    routes = PT.shuffled(pol, 6, seed=1)
     pairs = sorted((lp.prefill.rule, lp.decode.rule) for lp in pol.layers)
     for r in routes:
         assert sorted((lp.prefill.rule, lp.decode.rule) for lp in r.layers) == pairs
         assert [(lp.prefill.budget, lp.decode.budget) for lp in r.layers] == \
             [(lp.prefill.budget, lp.decode.budget) for lp in pol.layers]
-    assert [r.layers for r in C.shuffled(pol, 6, seed=1)] == [r.layers for r in routes]
+    assert [r.layers for r in PT.shuffled(pol, 6, seed=1)] == [r.layers for r in routes]
 
 
 @torch.no_grad()
@@ -224,8 +226,8 @@ def test_placement_control_scores_equal_naive_runs():
     m, tx = tiny(4), texts(4)
     L = m.config.n_layers
     pol = J.policy_of(["tova", "snapkv", "streaming"][:L], [B] * L, SET)
-    res = C.placement_control(m, None, pol, n=5, texts=tx, seed=2)
-    routes = [pol] + C.shuffled(pol, 5, seed=2)
+    res = PT.placement_control(m, None, pol, n=5, texts=tx, seed=2)
+    routes = [pol] + PT.shuffled(pol, 5, seed=2)
     want = [naive_harness_kl(m, tx, r.with_allowance(8)) for r in routes]
     assert res["route_kl"] == pytest.approx(want[0], rel=1e-4, abs=1e-7)
     assert res["shuffled_kl"] == pytest.approx(want[1:], rel=1e-4, abs=1e-7)

@@ -1,16 +1,17 @@
-"""The memory formula (support/memory.py) against the tensors the code really holds, on a tiny
+"""The memory formula (engine/memory.py) against the tensors the code really holds, on a tiny
 random LLaMA in fp64: what an observation keeps for the compressions (the FullKV cache with its
 append room, every statistic, KVzip's scores, GraceKV's flow, the surprisal) and GraceKV's
 per-prompt units, byte for byte. The short-lived working sets are checked against measured
 peaks on the embedded model instead (docs/memory.md)."""
 import torch
 
-import baselines  # noqa: F401  (registers the queries and recon statistics)
+import baselines as BL
 import gracekv as GK
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
-from support import memory as MEM
+from engine import memory as MEM
+from engine import observe as OB
 
 T, W = 48, 4
 
@@ -31,9 +32,10 @@ def test_what_an_observation_keeps_equals_the_formula():
     x = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(0))
     every = frozenset({"colsum", "window", "last", "queries", "recon"})
     gset = GK.Settings(window=W)
-    needs = P.union([P.Needs((every,) * L, W, 5, repeat=REPEAT, future=7),
+    computed = BL.RULES["expected"].computed + BL.RULES["kvzip"].computed
+    needs = OB.union([P.Needs((every,) * L, W, computed, chunk=5, repeat=REPEAT, future=7),
                      GK.needs(gset, L)], L)
-    full, obs = P.observe(m, x, needs)
+    full, obs = OB.observe(m, x, needs)
     s = MEM.Shape.of(m.config, 8)
     sampled = len(GK.depths(gset.hop_depths, L))
     k = MEM.Knobs(window=W, stride=gset.evidence_stride, sampled=sampled)

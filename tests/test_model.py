@@ -26,8 +26,9 @@ import torch
 from hypothesis import given, strategies as st
 
 import model
-from support import fast_attention
-from support import fast_cache
+from engine import fast_attention
+from engine import fast_cache
+from engine.fast import SPEED
 
 ROOT = Path(__file__).resolve().parent.parent
 F64 = torch.float64
@@ -60,7 +61,7 @@ def configs(draw, **fixed):
 def random_model(cfg: model.Config, seed: int = 0, fast: bool = False) -> model.Llama:
     """fp64 Llama with random weights; norm weights and biases non-trivial so they matter."""
     torch.manual_seed(seed)
-    m = model.Llama(cfg, fast=fast).to(F64)
+    m = model.Llama(cfg, SPEED if fast else None).to(F64)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if "norm" in name:
@@ -169,7 +170,7 @@ def test_cached_decoding_equals_uncached(cfg, seed, B, T, data):
     p = data.draw(st.integers(1, T - 1), label="prompt length")
     naive = naive_logits(m, toks)                                             # (B, T, V)
     for fast in (False, True):
-        m.fast = fast
+        m.speed = SPEED if fast else None
         _, full = run64(m, m, toks)                                           # (B, T, V)
         assert torch.allclose(full, naive, **EXACT)
         cache, first = run64(m, model.prefill, m, toks[:, :p])
@@ -199,7 +200,7 @@ def test_sdpa_equals_explicit_attention(cfg, seed, T):
     toks = tokens_for(cfg, 1, T + 3, seed)
     outs = {}
     for fast in (False, True):
-        m.fast = fast
+        m.speed = SPEED if fast else None
         cache, pre = run64(m, model.prefill, m, toks[:, :T])
         more = run64(m, model.decode, m, toks[:, T:], cache.fork())[1]
         g = torch.Generator().manual_seed(seed)
@@ -226,7 +227,7 @@ def mha_from_gqa(m: model.Llama) -> model.Llama:
         if ".k_proj." in name or ".v_proj." in name:
             t = t.view(G, D, *t.shape[1:]).repeat_interleave(g, 0).reshape(H * D, *t.shape[1:])
         sd[name] = t
-    mha = model.Llama(replace(cfg, n_kv_heads=H), fast=m.fast).to(F64)
+    mha = model.Llama(replace(cfg, n_kv_heads=H), m.speed).to(F64)
     mha.load_state_dict(sd)
     return mha.eval()
 
@@ -409,7 +410,7 @@ def test_save_load_round_trip(tmp_path, shard_size, qwen3):
     assert sd.keys() == sd2.keys() and all(torch.equal(sd[k], sd2[k]) for k in sd)   # bit for bit
     # same weights, yet not always the same last bits of the logits: MKL picks its fp64 kernel by
     # memory alignment (measured: 7e-15 after a sharded load, 0 once the weights are cloned)
-    m.fast = m2.fast                                      # load() builds the fast model
+    m.speed = m2.speed                                    # as load() built it
     assert torch.allclose(run64(m2, m2, toks)[1], run64(m, m, toks)[1], **EXACT)
     assert tok.encode("w5 w7 w29") == [5, 7, 29] and tok.decode([5, 7]) == "w5 w7"
     assert tok.eos_ids == {2, 3} and tok.bos_id == 1
@@ -660,13 +661,13 @@ def test_bf16_cache_keeps_the_bias_in_fp32():
     want = model.attention(q, lc.k, lc.v, bias, q_pos, lc.pos)
     assert fast_attention.attention_sdpa(q, lc.k, lc.v, bias, q_pos, lc.pos) is None
     with_bias = model.LayerCache(lc.k, lc.v, lc.pos, bias)
-    assert torch.equal(model.layer_attention(q, with_bias, q_pos, 2, fast=True), want)
+    assert torch.equal(model.layer_attention(q, with_bias, q_pos, 2, SPEED), want)
 
 
 @given(seed=st.integers(0, 2**16), T=st.integers(1, 5), ragged=st.booleans(),
        acc=st.booleans())
 def test_fast_append_equals_the_naive_append(seed, T, ragged, acc):
-    """support/fast_cache.append writes the entries LayerCache.append concatenates: the same
+    """engine/fast_cache.append writes the entries LayerCache.append concatenates: the same
     fields after a run of appends (a dense layer with or without a decode rule's acc, or a
     ragged one), and two forks fed different tokens in turn stay each equal to its naive twin
     (in-place writes never reach a slot another view sees)."""

@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import baselines  # noqa: F401  (registers K-norm, Expected Attention, KVzip)
+import baselines as BL
 import model as M
-import oracle
+from engine import oracle
 from support import checkpoint, tasks
 import polykv as P
+import baselines as BL
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -35,7 +36,7 @@ def kept(tiny, golden, rule, settings):
     x = torch.tensor([golden["tokens"]])
     cache = P.Policy.uniform(
         rule, golden["n_kept"], tiny.config.n_layers, "append", settings
-    ).prefill(tiny, x)
+    , rules=BL.RULES).prefill(tiny, x)
     return [[lc.pos[0, g].tolist() for g in range(tiny.config.n_kv_heads)] for lc in cache.layers]
 
 
@@ -107,7 +108,7 @@ def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
 
 
 def test_cli_dump_compare_exit_codes(tmp_path):
-    """python oracle.py dump ... then compare: exit 0 on itself, 1 on another method."""
+    """python -m engine.oracle dump ... then compare: exit 0 on itself, 1 on another method."""
     tok = json.loads((GOLDEN / "kvpress_kept.json").read_text())["tokens"][:120]
     (tmp_path / "t.json").write_text(json.dumps(tok))
     folder = tmp_path / "ckpt"                       # the tiny checkpoint with a tokenizer
@@ -120,9 +121,9 @@ def test_cli_dump_compare_exit_codes(tmp_path):
     )
 
     def run(*a):
-        """`python oracle.py *a` in the repository, its output captured."""
+        """`python -m engine.oracle *a` in the repository, its output captured."""
         return subprocess.run(
-            [sys.executable, "oracle.py", *a], cwd=ROOT, capture_output=True, text=True
+            [sys.executable, "-m", "engine.oracle", *a], cwd=ROOT, capture_output=True, text=True
         )
     for method, out in (("tova", "a"), ("h2o", "b"), ("adakv", "c"), ("kvzip", "d")):
         r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method",

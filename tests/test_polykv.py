@@ -5,16 +5,18 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-import baselines  # noqa: F401  (registers K-norm, Expected Attention, KVzip)
+import baselines as BL
 import model as M
 import polykv as P
-from support.fast_observe import causal_probs
+from engine.observe import causal_probs
 from model import UsageError
 from conftest import REPEAT, tiny as tiny_llama
+from engine import observe as OB
+import baselines as BL
 
 # small enough for tiny prompts
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3, repeat=REPEAT)
-COMPRESSING = tuple(P.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
+COMPRESSING = tuple(BL.RULES) + ("pyramidkv",)     # every registered rule + the pyramid schedule
 ALL = ("full",) + COMPRESSING
 
 
@@ -24,7 +26,7 @@ tiny = tiny_llama
 def policy(rule, budget, m, T):
     if rule == "pyramidkv":
         return P.Policy.pyramid(budget, m.config.n_layers, T, SET)
-    return P.Policy.uniform(rule, budget, m.config.n_layers, settings=SET)
+    return P.Policy.uniform(rule, budget, m.config.n_layers, settings=SET, rules=BL.RULES)
 
 
 def full_attention_maps(m, tokens):
@@ -55,7 +57,7 @@ def test_budget_at_least_T_is_fullkv(rule, T, seed):
     pol = policy(rule, T + 4, m, T)
     cache = P.prefill(m, prompt, pol)
     # the observation's prefill: the model's kernel, or where the statistics read every query
-    # row the chunked pass's own A·V (polykv.observe_prefixes), the same to fp64 rounding
+    # row the chunked pass's own A·V (OB.observe_prefixes), the same to fp64 rounding
     assert torch.allclose(cache.last_logits, first, atol=1e-12, rtol=0)
     # rules with a decoder feed the continuation token by token, FullKV in one step:
     # the same attention up to fp64 summation order (MKL blocks by row count)
@@ -86,8 +88,9 @@ def test_scores_equal_naive_recomputation(T, seed):
     m = tiny(seed)
     tokens = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(seed))
     maps = full_attention_maps(m, tokens)
-    needs = P.Needs((frozenset(P.ATTENTION_STATS),) * m.config.n_layers, SET.window, SET.chunk)
-    full, obs = P.observe(m, tokens, needs)                  # chunk=3: several query chunks
+    needs = P.Needs((frozenset(OB.ATTENTION_STATS),) * m.config.n_layers, SET.window,
+                    chunk=SET.chunk)
+    full, obs = OB.observe(m, tokens, needs)                  # chunk=3: several query chunks
     stats = obs.stats
     H, G = m.config.n_heads, m.config.n_kv_heads
     w, k = SET.window, SET.kernel
@@ -152,7 +155,7 @@ def test_decode_over_kept_equals_masked_full_attention(rule, budget, T, seed):
     tokens = torch.randint(1, 50, (1, T + 1), generator=torch.Generator().manual_seed(seed))
     pol = policy(rule, budget, m, T)
     pol = P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode[1])) for lp in pol.layers],
-                   pol.budget, pol.settings)
+                   pol.budget, pol.settings, rules=pol.rules)
     cache = P.prefill(m, tokens[:, :T], pol)
     kept = [lc.pos for lc in cache.layers]
     got = M.decode(m, tokens[:, T:], cache)
@@ -215,7 +218,7 @@ def test_policy_json_round_trip_and_errors(tmp_path):
     )
     f = tmp_path / "p.json"
     pol.save(f)
-    back = P.Policy.load(f, n_layers=L)
+    back = P.Policy.load(f, n_layers=L, rules=BL.RULES)
     assert (
         back.layers == pol.layers
         and back.budget == 20
@@ -231,7 +234,7 @@ def test_policy_json_round_trip_and_errors(tmp_path):
         g = tmp_path / "bad.json"
         g.write_text(json.dumps(d))
         with pytest.raises(UsageError, match=msg) as e:
-            P.Policy.load(g, n_layers=L)
+            P.Policy.load(g, n_layers=L, rules=BL.RULES)
         assert "\n" not in str(e.value)
     bad(lambda d: d["layers"].pop(), "has 3 layers, the model has 4")
     bad(lambda d: d["layers"][0]["prefill"].update(rule="magic"), "unknown prefill rule 'magic'")
@@ -241,11 +244,11 @@ def test_policy_json_round_trip_and_errors(tmp_path):
     bad(lambda d: d.pop("layers"), "malformed policy")
     (tmp_path / "junk.json").write_text("{not json")
     with pytest.raises(UsageError, match="malformed policy"):
-        P.Policy.load(tmp_path / "junk.json")
+        P.Policy.load(tmp_path / "junk.json", rules=BL.RULES)
     with pytest.raises(UsageError, match="budget must be >= 1"):
-        P.Policy.uniform("snapkv", 0, 3)
+        P.Policy.uniform("snapkv", 0, 3, rules=BL.RULES)
     with pytest.raises(UsageError, match="unknown rule 'x'; choose from full"):
-        P.Policy.uniform("x", 8, 3)
+        P.Policy.uniform("x", 8, 3, rules=BL.RULES)
 
 
 @given(st.integers(3, 30), st.integers(1, 7), st.integers(0, 3))

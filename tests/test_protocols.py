@@ -1,4 +1,4 @@
-"""The protocols (support/protocols.py): what is compressed, charged and seen, on a tiny random
+"""The protocols (engine/protocols.py): what is compressed, charged and seen, on a tiny random
 LLaMA in fp64, against naive recomputations and exact invariants."""
 import functools
 import json
@@ -12,7 +12,10 @@ import gracekv as GK
 import model as M
 import polykv as P
 from conftest import tiny as tiny_llama
-from support import protocols as PR
+from engine import protocols as PR
+from engine import harness as H
+from engine import observe as OB
+import baselines as BL
 
 tiny = functools.partial(tiny_llama, L=2)
 A, B_, T = 5, 50, 60                 # the context is keys 5..49: prefix 5 tokens, question 10
@@ -47,9 +50,9 @@ def test_cut_sees_the_question_and_slices_every_key_statistic():
     last w queries / all queries and read at the context's keys only; its cache holds exactly
     those keys at their positions."""
     m, x = tiny(), tokens()
-    pol = P.Policy.uniform("snapkv", 8, 2, settings=P.RuleSettings(window=4))
-    needs = P.union([pol.needs(m), P.Policy.uniform("h2o", 8, 2).needs(m)], 2)
-    full, obs = P.observe(m, x, needs)
+    pol = P.Policy.uniform("snapkv", 8, 2, settings=P.RuleSettings(window=4), rules=BL.RULES)
+    needs = OB.union([pol.needs(m), P.Policy.uniform("h2o", 8, 2, rules=BL.RULES).needs(m)], 2)
+    full, obs = OB.observe(m, x, needs)
     part, pobs = PR.cut(full, obs, needs, A, B_)
     qs = {}
     M.prefill(m, x, M.Hooks(post_kernel=lambda l, q, qp, lc, o: qs.__setitem__(l, (q, lc.k))))
@@ -99,9 +102,9 @@ def test_context_protects_the_prompts_edges_not_the_contexts(w):
     protected = [p for p in range(A, B_) if p >= T - w]
     attn = naive_attention(m, x)
     for rule in ("streaming", "h2o", "snapkv"):
-        pol = P.Policy.uniform(rule, budget, L, settings=settings)
+        pol = P.Policy.uniform(rule, budget, L, settings=settings, rules=BL.RULES)
         needs = pol.needs(m)
-        full, obs = P.observe(m, x, needs)
+        full, obs = OB.observe(m, x, needs)
         comp = pol.compress(m, *PR.cut(full, obs, needs, A, B_))
         for l in range(L):
             a = attn[l][0]                                                    # (H, T, T)
@@ -130,7 +133,7 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
     m, x = tiny(), tokens()
     L, G, budget = 2, 2, 12
     meth = (
-        E.method(name, budget, L, P.RuleSettings(window=4))
+        H.method(name, budget, L, P.RuleSettings(window=4))
         if name != "gracekv"
         else GK.GraceKV(
             budget,
@@ -138,8 +141,8 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
                         seeds=3, evidence=4),
         )
     )
-    needs = P.union([meth.needs(m)], L)
-    full, obs = P.observe(m, x, needs)
+    needs = OB.union([meth.needs(m)], L)
+    full, obs = OB.observe(m, x, needs)
     part, pobs = PR.cut(full, obs, needs, A, B_)
     comp = meth.compress(m, part, pobs)
     cache = PR.join(full, comp, A, B_)
@@ -173,7 +176,7 @@ def test_gracekv_cut_keeps_each_strided_query_at_its_token():
     flows = {}
     for stride in (4, 1):
         needs = P.Needs(extra=(("flow", GK.ValueFlow(4, (0, 1), stride)),))
-        full, obs = P.observe(m, x, needs)
+        full, obs = OB.observe(m, x, needs)
         flows[stride] = [needs.extra[0][1].cut(v, A, B_) for v in obs.extra["flow"]]
     for l in range(2):
         (_, x4, q4, s4, ph4, n4), (_, x1, q1, s1, ph1, n1) = flows[4][l], flows[1][l]
@@ -218,7 +221,7 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     assert all("score" in r for r in rows if r["task"] == "niah_single_1")
     items = {
         it.index: it
-        for it in E.build_items(M.load(tiny_dir)[1], E.parse(args), M.load(tiny_dir)[0])
+        for it in H.build_items(M.load(tiny_dir)[1], H.parse(args), M.load(tiny_dir)[0])
         if it.task == "niah_single_1"
     }
     for r in rows:
@@ -245,7 +248,7 @@ def test_three_protocols_in_one_run(tiny_dir, tmp_path):
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {d["protocol"] for d in summary["rows"]} == {"prompt", "context", "agnostic"}
     # the header's prefill: one observation per prompt serves all three protocols
-    # (polykv.observe_prefixes), so every row of a prompt records the same pass
+    # (OB.observe_prefixes), so every row of a prompt records the same pass
     obs = {}
     for r in rows:
         obs.setdefault((r["task"], r["index"]), set()).add(r["prefill_s"])
@@ -286,7 +289,7 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     )
     assert all(r["kl"] == 0 and r["dnll"] == 0 for r in rows if r["method"] == "full")
     m, tok = M.load(tiny_dir, dtype=torch.float64)
-    it = [i for i in E.build_items(tok, E.parse(args), m) if i.task == "niah_multineedle_turns"][0]
+    it = [i for i in H.build_items(tok, H.parse(args), m) if i.task == "niah_multineedle_turns"][0]
     assert len(it.turns) == 3 and TK.NIAH["niah_multineedle_turns"]["turns"]
     q, smp, gold = it.turns[1]
     whole = torch.cat((it.tokens[:, :it.tokens.shape[1] - it.split[1]], q), 1)
@@ -295,7 +298,7 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     fresh, _ = M.teacher_force(m, M.prefill(m, whole), gold)
     # evaluate's FullKV base for a later question
     (n_pre, n_q), T = it.split, it.tokens.shape[1]
-    full, obs = P.observe(m, it.tokens, P.Needs())
+    full, obs = OB.observe(m, it.tokens, P.Needs())
     base = PR.join(
         full, PR.cut(full, obs, P.Needs(), n_pre, T - n_q)[0], n_pre, T - n_q, question=False
     )
@@ -318,15 +321,15 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     question changes (compression never sees it), while under `context` it changes."""
     from dataclasses import replace
     m, tok = M.load(tiny_dir, dtype=torch.float64)
-    args = E.parse(
+    args = H.parse(
         ["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks",
          "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples", "0",
          "--max-new-tokens", "2"]
     )
     # no decoder evicts (evaluate.main sizes it to the items)
     args.allowance = 4096
-    it = [i for i in E.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
-    methods, names, protocols = E.Methods(m, tok, args), ["full", "snapkv", "gracekv"], PR.PROTOCOLS
+    it = [i for i in H.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
+    methods, names, protocols = H.Methods(m, tok, args), ["full", "snapkv", "gracekv"], PR.PROTOCOLS
 
     def strip(rows, *more):
         """key -> row without its timings (and the fields `more`)."""
@@ -334,14 +337,14 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
             r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
             for r in rows
         }
-    together = strip(E.run_item(m, tok, methods, names, [32], it, set(), protocols))
+    together = strip(H.run_item(m, tok, methods, names, [32], it, set(), protocols))
     alone = strip(
-        [r for p in protocols for r in E.run_item(m, tok, methods, names, [32], it, set(), (p,))]
+        [r for p in protocols for r in H.run_item(m, tok, methods, names, [32], it, set(), (p,))]
     )
     assert together == alone and len(together) == 3 * 3 * 4
     # question 3 alone after the context
     one = replace(it, turns=[it.turns[2]])
-    single = strip(E.run_item(m, tok, methods, names, [32], one, set(), protocols), "key", "turn")
+    single = strip(H.run_item(m, tok, methods, names, [32], one, set(), protocols), "key", "turn")
     for key, r in single.items():
         if key.endswith("|q1"):
             assert r == {
@@ -366,7 +369,7 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
             caches = []
             for toks in (it.tokens, other):
                 kept.clear()
-                E.run_item(
+                H.run_item(
                     m, tok, methods, [name], [64], replace(it, tokens=toks, turns=[]), set(), (p,)
                 )
                 caches.append(kept[0])

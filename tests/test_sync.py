@@ -16,8 +16,11 @@ from torch.overrides import TorchFunctionMode
 import evaluate as E
 import model as M
 import polykv as P
-from support import fast_attention as FA
+from engine import fast_attention as FA
 from conftest import REPEAT, tiny
+from engine import harness as H
+from engine import observe as OB
+import baselines as BL
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 READS = {"item", "tolist", "__bool__", "__int__", "__float__", "__index__", "nonzero", "cpu",
@@ -58,7 +61,7 @@ def test_a_step_reads_the_device_once_whatever_the_depth(L):
     assert names == ["tolist"]
     _, names = reads(M.greedy, m, cache.fork(), 3)
     assert names == ["__int__", "tolist"] * 3
-    pol = P.Policy.uniform("h2o", 10, L, settings=SET)                        # evicts every step
+    pol = P.Policy.uniform("h2o", 10, L, settings=SET, rules=BL.RULES)                        # evicts every step
     small = pol.prefill(m, x[:, :24])
     _, names = reads(M.teacher_force, m, small, x[:, 24:], pol.decoder, True)
     assert names == ["tolist"] * 5 + ["__int__"]
@@ -70,14 +73,14 @@ def test_observation_and_compression_read_nothing_per_layer():
     nothing; the head-wise allocation reads twice in all."""
     m = tiny()
     x = torch.randint(1, 50, (1, 40), generator=torch.Generator().manual_seed(1))
-    methods = [P.Policy.uniform(r, 8, 3, settings=SET) for r in P.RULES]
-    (full, obs), names = reads(P.observe_for, m, x, methods)
+    methods = [P.Policy.uniform(r, 8, 3, settings=SET, rules=BL.RULES) for r in BL.RULES]
+    (full, obs), names = reads(OB.observe_for, m, x, methods)
     assert names == ["tolist", "tolist"]
     for method in methods:
         _, names = reads(method.compress, m, full, obs)
         assert names == []
     for name in ("adakv", "kvzip"):
-        _, names = reads(E.method(name, 8, 3, SET).compress, m, full, obs)
+        _, names = reads(H.method(name, 8, 3, SET).compress, m, full, obs)
         assert names == ["nonzero", "tolist"]
 
 

@@ -15,7 +15,9 @@ import pytest
 
 import evaluate
 import model
-from support import checkpoint, longbench, metrics, protocols, tasks
+from support import checkpoint, tasks
+from engine import longbench, metrics, protocols
+from engine import harness as H
 
 
 def _byte_tokenizer(path, bos=False):
@@ -513,7 +515,7 @@ def test_longbench_chat_template_and_samsum_stop(tmp_path):
         context="Ann met Bob.", input="Who?"
     )
     newline = chat_tok.encode("\n", add_special_tokens=False)[-1]
-    assert evaluate.stop_ids(chat_tok, sam) == {0, newline} and evaluate.stop_ids(
+    assert H.stop_ids(chat_tok, sam) == {0, newline} and H.stop_ids(
         chat_tok, hot
     ) == {0}
     # without a template (the embedded GGUF conversion) every dataset is prompted raw
@@ -588,23 +590,23 @@ def test_embedded_tokenizer_longbench_truncation_and_fidelity(tmp_path, smol):
 
 
 def test_answers_stop_after_their_first_line(tok):
-    """evaluate.answer_done: RULER and LongBench first-line tasks stop once a newline follows
+    """H.answer_done: RULER and LongBench first-line tasks stop once a newline follows
     non-blank text (leading blank lines do not stop them); other tasks run to the cap; and
     model.greedy keeps the token that completed the answer, then stops."""
     import torch
 
     import model as M
     ruler = tasks.RULER_TASKS["niah_single_1"](tok, 600, seed=0)
-    done = evaluate.answer_done(tok, ruler)
+    done = H.answer_done(tok, ruler)
 
     def enc(s):
         """The ids of text s, no special tokens added."""
         return tok.encode(s, add_special_tokens=False)
     assert not done(enc(" \n")) and not done(enc("\n\n 1234")) and done(enc(" 1234.\n"))
     qa = tasks.Sample("narrativeqa", 0, "p", ["a"], "qa_f1_score", 8)
-    assert evaluate.answer_done(tok, qa) is None
+    assert H.answer_done(tok, qa) is None
     trec = tasks.Sample("trec", 0, "p", ["a"], "classification_score", 8)
-    assert evaluate.answer_done(tok, trec)(enc("Location\nmore"))
+    assert H.answer_done(tok, trec)(enc("Location\nmore"))
 
     class Stub:                 # a model whose logits always pick token 5; counts its steps
         steps = 0
@@ -653,7 +655,7 @@ def test_retrieval_probes_come_from_dev_text_only(tok):
 def test_prompt_split_in_tokens(tok, samples, name):
     """The token split on a tokenizer without merges is exact: the prefix tokens decode to the
     prefix text and the question tokens to the question text."""
-    from support import protocols
+    from engine import protocols
     s = samples[name]
     ids = tok.encode(s.prompt)
     a, q = protocols.split(tok, ids, s)
@@ -667,7 +669,7 @@ def test_prompt_split_in_tokens(tok, samples, name):
 def test_prompt_split_in_bpe_tokens(smol, name):
     """With merges (the embedded BPE): the prefix and question tokens decode to the start of
     the prefix text and the end of the question text, short of at most an edge token each."""
-    from support import protocols
+    from engine import protocols
     tok = smol
     s = tasks.RULER_TASKS[name](tok, 2000, 0, 0)
     ids = tok.encode(s.prompt)

@@ -1,8 +1,8 @@
 """Where the time goes, as ratios measured in one run: figures, not tests.
 
-`python bench.py` on the embedded model, natural-text prompts from the test split:
+`python -m engine.bench` on the embedded model, natural-text prompts from the test split:
 1. observation, at each `--length`: the plain FullKV prefill vs the shared prefill that
-   observes for every default method (or `--methods`) at once (polykv.observe_for: column sums,
+   observes for every default method (or `--methods`) at once (engine/observe.observe_for: column sums,
    window sums, last row, query statistics, GraceKV's probes and flow), KVzip's reconstruction
    pass timed apart (charged to the methods that read it) beside the same pass without its
    scores, and each method's compression at `--budget` with the peak resident memory while it
@@ -33,11 +33,13 @@ import torch
 
 import baselines as BL
 import calibrate
-import evaluate as E
 import gracekv_variants as GV
 import model as M
 import polykv as P
 from support import cli
+from engine import harness as H
+from engine import observe as OB
+from engine.fast import SPEED
 from support import tasks as TK
 
 
@@ -123,7 +125,7 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
     # that pass alone: it runs after the prefill, once per prompt, for the methods that read it
     others = [method for method in everyone if "recon" not in method.needs(m).used]
     t_plain, t_obs, ratio, _ = timed_pair(
-        lambda: M.prefill(m, x), lambda: P.observe_for(m, x, others), repeat
+        lambda: M.prefill(m, x), lambda: OB.observe_for(m, x, others), repeat
     )
     print(
         f"\nprefill of {x.shape[1]} tokens: plain {t_plain:.2f} s; observing for every method "
@@ -133,9 +135,9 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
     # the observation of every method for the compressions below (untimed), KVzip's pass left
     # out: the last of the timed passes below gives its scores, so it runs no extra time
     L = m.config.n_layers
-    needs = P.union([method.needs(m) for method in everyone], L)
+    needs = OB.union([method.needs(m) for method in everyone], L)
     scored = [l for l in range(L) if "recon" in needs.stats[l]]     # the layers reading the pass
-    full, obs = P.observe(m, x, replace(needs, stats=tuple(st - {"recon"} for st in needs.stats)))
+    full, obs = OB.observe(m, x, replace(needs, stats=tuple(st - {"recon"} for st in needs.stats)))
     if scored:
         # the pass scoring the layers that read it against the same pass scoring none: every
         # layer then runs the model's own attention kernel, so that one is the least the pass
@@ -162,7 +164,7 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
         cells = []
         for b in budgets:
             t, (_, peak) = timed(lambda: peak_rss_gb(lambda: cold(ms[b], m, full, obs)), repeat)
-            t += E.own_pass(m, ms[b], obs)
+            t += H.own_pass(m, ms[b], obs)
             cells.append(
                 f"{t:.3f} ({t / t_plain:.2f}x) · " + (f"{peak:.2f}" if peak is not None else "n/a")
             )
@@ -199,11 +201,11 @@ def reference_args(length: int, methods=None, threads=None, model=None):
         argv += ["--threads", str(threads)]
     if model is not None:
         argv += ["--model", model]
-    return E.parse(argv)
+    return H.parse(argv)
 
 
 class Observed:
-    """Within `with`: every polykv.observe_prefixes call (evaluate.run_protocol's one
+    """Within `with`: every engine/observe.observe_prefixes call (evaluate.run_protocol's one
     observation of a prompt for all its protocols) recorded as its {prefix length: Observation},
     the call itself unchanged but for `fuse`."""
 
@@ -211,17 +213,17 @@ class Observed:
         self.fuse = fuse                     # False: each layer's attention computed twice
 
     def __enter__(self):
-        self.calls, self.observe = [], P.observe_prefixes
+        self.calls, self.observe = [], OB.observe_prefixes
 
         def recorded(*args, **kw):
             out = self.observe(*args, **kw, fuse=self.fuse)  # {e: (FullKV cache, Observation)}
             self.calls.append({e: obs for e, (_, obs) in out.items()})
             return out
-        P.observe_prefixes = recorded
+        OB.observe_prefixes = recorded
         return self
 
     def __exit__(self, *exc):
-        P.observe_prefixes = self.observe
+        OB.observe_prefixes = self.observe
 
 
 def prompt_split(m, methods, item, rows, calls) -> dict:
@@ -245,7 +247,7 @@ def prompt_split(m, methods, item, rows, calls) -> dict:
             for r in rows}
     compress = 0.0
     for (name, budget, protocol), r in once.items():
-        charged = E.own_pass(m, methods.get(name, budget), observed[seen(protocol)])
+        charged = H.own_pass(m, methods.get(name, budget), observed[seen(protocol)])
         compress += r["compress_s"] - charged
     return {"rows": len(rows), "prefixes": len(observed), "prefill": rows[0]["prefill_s"],
             "recon": sum(sum(obs.seconds.values()) for obs in observed.values()),
@@ -284,7 +286,7 @@ def timed_item(m, tok, methods, a, item, harness: str) -> dict:
     for protocols in [g for g in groups if g] or [a.protocol]:
         with Observed(fuse) as seen:
             t0 = time.perf_counter()
-            rows = E.run_item(m, tok, methods, a.methods, a.budget, item, set(), protocols)
+            rows = H.run_item(m, tok, methods, a.methods, a.budget, item, set(), protocols)
             out["total"] += time.perf_counter() - t0
         for k, v in prompt_split(m, methods, item, rows, seen.calls).items():
             out[k] += v
@@ -297,9 +299,9 @@ def per_prompt(m, tok, a, harnesses=("now",)):
     PolyKV's policies loaded before the timers), under each harness (HARNESSES; interleaved
     per prompt), then the run projected from them."""
     torch.manual_seed(a.seed)
-    items = E.build_items(tok, a, m)
-    a.allowance = E.run_allowance(a, items)
-    methods = E.Methods(m, tok, a)
+    items = H.build_items(tok, a, m)
+    a.allowance = H.run_allowance(a, items)
+    methods = H.Methods(m, tok, a)
     for b in a.budget:
         for n in a.methods:
             methods.get(n, b)
@@ -377,8 +379,8 @@ def main(argv=None):
     cli.at_least(1, steps=args.steps, repeat=args.repeat, threads=args.threads,
                  budget=min(args.budget), length=min(args.length), contexts=min(args.contexts))
     names = cli.split_names(args.methods, "--methods") if args.methods else \
-        [n for n in E.default_methods() if n not in ("full", "random", "polykv")]
-    uncalibrated = [n for n in E.all_methods() if E.family(n) != "polykv"]   # PolyKV's calibrate
+        [n for n in H.default_methods() if n not in ("full", "random", "polykv")]
+    uncalibrated = [n for n in H.all_methods() if H.family(n) != "polykv"]   # PolyKV's calibrate
     bad = [n for n in names if n not in uncalibrated and not GV.is_row(n)]
     if bad:
         raise M.UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(uncalibrated)}")
@@ -388,7 +390,7 @@ def main(argv=None):
     if args.threads:
         torch.set_num_threads(args.threads)
     budgets = args.budget
-    m, tok = M.load(args.model)
+    m, tok = M.load(args.model, speed=SPEED)
     L = m.config.n_layers
     model_name = M.default_model_dir().name if args.model is None else args.model
     print(
@@ -398,7 +400,7 @@ def main(argv=None):
     if args.only_per_prompt:
         return per_prompt(m, tok, run, ("before", "now") if args.before else ("now",))
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
-    made = {n: {b: E.method(n, b, L, settings) for b in budgets} for n in names}
+    made = {n: {b: H.method(n, b, L, settings) for b in budgets} for n in names}
     for length in args.length:                            # 1. observation and compression
         observation(m, tok, length, made, budgets, args.repeat)
 

@@ -1,4 +1,4 @@
-"""PolyKV past the paper: a calibration that sees the other layers (`python calibrate_joint.py`).
+"""PolyKV past the paper: a calibration that sees the other layers (`python -m engine.calibrate_joint`).
 
 The paper's calibration (calibrate.py) probes each layer alone, every other layer FullKV, and
 ranks rules by that layer's output cosine. On the embedded model this puts StreamingLLM on a
@@ -41,11 +41,14 @@ from dataclasses import dataclass
 
 import torch
 
+import baselines
 import calibrate
 import model as M
 import polykv
-from calibrate import (CONT_LEN, PROMPT_LEN, allocate, calibration_set, cosine, kl, quiet,
+from calibrate import (CONT_LEN, PROMPT_LEN, allocate, calibration_set, cosine, quiet,
                        reference, set_meta, with_prompt)
+from engine.observe import observe_for
+from engine.policy_tables import describe, kl, plot
 from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings, largest_remainder
 from support import cli, tasks
@@ -72,10 +75,11 @@ def run_from(model, ref, layer: int, x, caches) -> tuple:
 def policy_of(assign, budgets, settings, meta=None) -> Policy:
     """Layer l: (rule, b_l) at prefill, the rule's own decode form at b_l; B = mean b_l."""
     return Policy(
-        [LayerPolicy((r, b), (polykv.RULES[r].decode, b)) for r, b in zip(assign, budgets)],
+        [LayerPolicy((r, b), (baselines.RULES[r].decode, b)) for r, b in zip(assign, budgets)],
         sum(budgets) // len(budgets),
         settings,
         meta or {},
+        rules=baselines.RULES,
     )
 
 
@@ -135,19 +139,20 @@ def measure_joint(
     """Every signal of the joint procedure and the chosen rules/budgets, JSON-ready. pairs: the
     text (prompt, continuation) pairs; probes: retrieval probes (prompt, answer); retrieval:
     how the probes enter the choice (`Objective`)."""
-    L, dev, pool = model.config.n_layers, model.device, polykv.pool()
+    L, dev, pool = model.config.n_layers, model.device, polykv.pool(baselines.RULES)
     log, goal, n_text = log or quiet, Objective(retrieval), len(pairs)
     t0 = time.time()
     refs = []
     for p, c in list(pairs) + list(probes):
-        ref = reference(
-            model, torch.tensor([p], device=dev), torch.tensor([c], device=dev), settings
-        )
+        ref = reference(model, torch.tensor([p], device=dev), torch.tensor([c], device=dev),
+                        settings, baselines.RULES, observe_for)
         ref["lp"] = log_probs(model, ref.pop("last"))
         refs.append(ref)
     comp = {
         r: [
-            Policy.uniform(r, budget, L, settings=settings).compress(model, ref["full"], ref["obs"])
+            Policy.uniform(r, budget, L, settings=settings, rules=baselines.RULES).compress(
+                model, ref["full"], ref["obs"]
+            )
             for ref in refs
         ]
         for r in pool
@@ -231,7 +236,8 @@ def measure_joint(
     if budget_signal and budget >= 2:
         half = {
             r: [
-                Policy.uniform(r, budget // 2, L, settings=settings).compress(
+                Policy.uniform(r, budget // 2, L, settings=settings,
+                               rules=baselines.RULES).compress(
                     model, ref["full"], ref["obs"]
                 )
                 for ref in refs
@@ -301,7 +307,8 @@ def calibrate_joint(model, tok, budget: int, seed: int = 0, n_prompts: int = 2,
     if probe_pairs is None:
         probe_pairs = tasks.calibration_facts(tok, probes, prompt_len, seed) if probes else []
     settings = with_prompt(settings, tok)
-    _, _, meta = set_meta(model, tok, texts, budget, seed, model_name, needles)
+    _, _, meta = set_meta(model, tok, texts, budget, seed, model_name, needles,
+                          rules=baselines.RULES)
     meta["calibration"].update(probes=len(probe_pairs), retrieval=retrieval)
     sig = measure_joint(model, texts, budget, signal, settings=settings, log=log,
                         probes=probe_pairs, retrieval=retrieval)
@@ -317,6 +324,7 @@ OBJECTIVES = {"joint": {},                                                      
 def main(argv=None):
     ap = calibrate.arguments("Calibrate a PolyKV policy by the joint procedure (past the paper; "
                              "python calibrate.py: the paper's).")
+    ap.add_argument("--plot", default=None, help="write a per-layer PNG (needs matplotlib)")
     ap.add_argument("--procedure", choices=OBJECTIVES, default="joint",
                     help="the objective: joint (text score under the retrieval constraint), "
                          "joint-text (text alone), joint-weighted (text + 0.1 × probe loss)")
@@ -335,7 +343,13 @@ def main(argv=None):
     def joint(m, tok, budget, seed, **common):
         return calibrate_joint(m, tok, budget, seed, signal=a.signal, needles=a.needles,
                                **OBJECTIVES[a.procedure], **common)
-    calibrate.run(a, f"procedure={a.procedure} signal={a.signal} needles={a.needles}", joint)
+    pol = calibrate.run(a, f"procedure={a.procedure} signal={a.signal} needles={a.needles}", joint)
+    print(describe(pol))
+    if a.plot:
+        try:
+            print(plot([pol], a.plot, polykv.pool(baselines.RULES)))
+        except OSError as e:
+            raise UsageError(f"cannot write {a.plot!r}: {e.strerror}") from None
 
 
 if __name__ == "__main__":

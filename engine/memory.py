@@ -1,7 +1,7 @@
 """Peak memory of each stage, by one formula and by measurement (docs/memory.md).
 
 Stages: the plain FullKV prefill; the shared observation for every default method but KVzip
-(`polykv.observe`: column sums, window sums, last row, Expected Attention's query statistics,
+(`engine/observe.observe`: column sums, window sums, last row, Expected Attention's query statistics,
 GraceKV's probes and value flow, the surprisal); KVzip's reconstruction pass
 (`baselines.reconstruct`); each default method's compression of the FullKV cache.
 
@@ -21,8 +21,8 @@ before it: what the stage adds on top of what earlier stages left. glibc is told
 allocation above 64 KiB on its own (MALLOC_MMAP_THRESHOLD_), so that a freed tensor leaves the
 resident set at once and the next stage's peak is its own.
 
-    python -m support.memory --length 2048,4096 --threads 1     # measured vs formula (embedded)
-    python -m support.memory --table                             # 8B models in bf16 vs 80 GB
+    python -m engine.memory --length 2048,4096 --threads 1     # measured vs formula (embedded)
+    python -m engine.memory --table                             # 8B models in bf16 vs 80 GB
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass, replace
 
-from support import fast_cache
+from engine import fast_cache
 
 GB = 1e9
 HOST_NODE = 2300       # bytes of host memory per GraceKV plan node (Python records), measured
@@ -124,7 +124,7 @@ def stream(s: Shape, T: int) -> int:
 
 def held(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     """{term: bytes} an observation leaves for the compressions: the FullKV cache with its append
-    room, and per statistic in `needs` what every layer keeps (support.fast_observe.observe_layer,
+    room, and per statistic in `needs` what every layer keeps (engine.observe.observe_layer,
     query_stats, gracekv.ValueFlow, model.surprisal; KVzip's scores, from its pass)."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     r = min(k.window, T)
@@ -149,7 +149,7 @@ def observation(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     # window alone, the last row for TOVA's); the previous chunk's A (H, c, T) alive while the
     # next chunk's logits and softmax are made: 3 × (H, c, T) in a; GraceKV's group mean. Where
     # every row is read (column sums, GraceKV's sampled layers) the pass makes the layer's
-    # attention output too, in chunks of at most fused_rows rows (polykv.observe_prefixes)
+    # attention output too, in chunks of at most fused_rows rows (engine/observe.observe_prefixes)
     rows = c if {"colsum", "flow"} & set(needs) else min(k.window, T) if "window" in needs else 1
     chunk = 3 * H * rows * T * a + (G * c * T * a if "flow" in needs else 0)
     if not {"colsum", "window", "last", "flow"} & set(needs):
@@ -329,12 +329,12 @@ def stage(fn, *args, **kwargs):
 def mixed_policy(L: int, budget: int, settings):
     """PolyKV's shape without a calibration: layer l runs pool rule l mod |pool| with its own
     decode form (a calibrated policy holds one rule per layer, any of them)."""
-    import baselines  # noqa: F401  (its rules join the pool)
+    import baselines as BL
     import polykv as P
-    pool = P.pool()
+    pool = P.pool(BL.RULES)
     rules = [pool[l % len(pool)] for l in range(L)]
-    return P.Policy([P.LayerPolicy((r, budget), (P.RULES[r].decode, budget)) for r in rules],
-                    budget, settings)
+    return P.Policy([P.LayerPolicy((r, budget), (BL.RULES[r].decode, budget)) for r in rules],
+                    budget, settings, rules=BL.RULES)
 
 
 def measure(T: int, budget: int, threads: int) -> dict:
@@ -343,13 +343,15 @@ def measure(T: int, budget: int, threads: int) -> dict:
     import torch
     import baselines as BL
     import calibrate
-    import evaluate as E
+    from engine import harness as H
+    from engine import observe as OB
+    from engine.fast import SPEED
     import gracekv as GK
     import model as M
     import polykv as P
     from support import tasks as TK
     torch.set_num_threads(threads)
-    m, tok = M.load(device="cpu", dtype=torch.float32)
+    m, tok = M.load(device="cpu", dtype=torch.float32, speed=SPEED)
     with torch.no_grad():
         for p in m.parameters():       # safetensors maps the file: its pages would come and go
             p.data = p.data.clone()    # with the page cache; copies stay resident
@@ -357,15 +359,15 @@ def measure(T: int, budget: int, threads: int) -> dict:
     settings = calibrate.with_prompt(P.RuleSettings(), tok)
     x = torch.tensor([TK.fidelity_text(tok, T, 0)[0]])
     made = {n: mixed_policy(L, budget, settings) if n == "polykv"
-            else E.method(n, budget, L, settings) for n in NAMES}
-    needs = P.union([meth.needs(m) for meth in made.values()], L)
+            else H.method(n, budget, L, settings) for n in NAMES}
+    needs = OB.union([meth.needs(m) for meth in made.values()], L)
     no_recon = replace(needs, stats=tuple(st - {"recon"} for st in needs.stats))
     recon_layers = [l for l in range(L) if "recon" in needs.stats[l]]
     got, secs, nodes = {}, {}, None
     with torch.no_grad():
         M.prefill(m, x[:, :64])                                              # warm-up, not counted
         _, got["prefill"], secs["prefill"] = stage(M.prefill, m, x)
-        (full, obs), got["observation"], secs["observation"] = stage(P.observe, m, x, no_recon)
+        (full, obs), got["observation"], secs["observation"] = stage(OB.observe, m, x, no_recon)
         rec, got["kvzip pass"], secs["kvzip pass"] = stage(
             BL.reconstruct, m, full, x, needs.repeat, recon_layers, needs.n_sink)
         for l, sc in rec.items():
@@ -432,7 +434,7 @@ def main(argv=None):
     print("| T | stage | measured MB | formula MB | formula − measured MB | s |\n"
           "|---|---|---|---|---|---|")
     for T in [int(t) for t in args.length.split(",")]:
-        cmd = [sys.executable, "-m", "support.memory", "--one", str(T),
+        cmd = [sys.executable, "-m", "engine.memory", "--one", str(T),
                "--budget", str(args.budget), "--threads", str(args.threads)]
         r = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if r.returncode:

@@ -1,7 +1,7 @@
 """LongBench (Bai et al., 2023) as its authors run it, offline: `jsonl` files in the official
 format (`input`, `context`, `answers`, `all_classes`, `length`) with the official prompts
 (`config/dataset2prompt.json`), generation lengths (`config/dataset2maxlen.json`), middle
-truncation and chat formatting (`pred.py`); scored by support/metrics.py. The data itself is not
+truncation and chat formatting (`pred.py`); scored by engine/metrics.py. The data itself is not
 shipped: `evaluate.py --data DIR` reads the files a user downloaded.
 """
 from __future__ import annotations
@@ -142,7 +142,7 @@ def load_longbench(data_dir, tok, max_length: int) -> list:
     turn of the checkpoint's own chat template (the modern equivalent for Llama-3 / Qwen3
     instruct checkpoints) when its tokenizer has one; a checkpoint without one (the embedded
     GGUF conversion) is prompted raw. prefix / question: the template's text before and after
-    `{context}` (the question holds `input`), for the protocols (support/protocols.py); a middle
+    `{context}` (the question holds `input`), for the protocols (engine/protocols.py); a middle
     truncation that cuts into either makes protocols.split refuse that sample."""
     if max_length < 2:
         raise UsageError(f"max_length must be at least 2, got {max_length}")

@@ -2,7 +2,7 @@
 
 The naive form it replaces is `model.LayerCache.append`, which concatenates (a decoding step
 copies the whole layer). `append` here writes the same entries into a `Buffer` with spare slots
-along S and returns a view of its written prefix; `model.Llama(fast=True)` (the default) uses
+along S and returns a view of its written prefix; a model handed engine/fast.py's SPEED uses
 it. Tested equal to the naive append, forks included (tests/test_model.py).
 
 The rule that keeps forks independent: every LayerCache that views a buffer sees a prefix

@@ -2,7 +2,7 @@
 each method's difference to the best uniform rule, PolyKV's gap recovered, the progress line and
 the budget-vs-score plot (docs/protocol.md). Pure functions of the per-sample rows that
 evaluate.py writes to samples.jsonl; the paired bootstrap and the comparisons read from the
-rows (each method against one, the leader of each measure) are in support/compare.py.
+rows (each method against one, the leader of each measure) are in engine/compare.py.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from support.compare import (LOWER_IS_BETTER, aligned, before_after, headline_metrics, interval,
+from engine.compare import (LOWER_IS_BETTER, aligned, before_after, headline_metrics, interval,
                              leaders, leaders_table, resample_index, scored_tasks, values,
                              versus, versus_table)
 from support import cli
@@ -282,7 +282,7 @@ def plot(summary, names, out, family=name_prefix, length=None):
 
 
 def main(argv=None):
-    """`python -m support.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--protocol P]
+    """`python -m engine.report OUT/summary.json [--methods a,b] [--budgets 128,512] [--protocol P]
     [--no-diff] [--versus METHOD] [--before SUMMARY] [--plot]`: the table of a finished run again,
     for a subset of its
     rows (one protocol: the run's first unless named); --versus

@@ -1,7 +1,7 @@
 """The PolyKV policies a run uses: one calibration per (procedure, model, budget, seed, length),
 kept as a JSON file and reused only when the settings it records are those asked; and the PolyKV
 rows of the harness (`VARIANTS`: a procedure and a transform of its policy). Not the paper: the
-bookkeeping around it (calibrate.py, calibrate_joint.py)."""
+bookkeeping around it (calibrate.py; engine/calibration.py, engine/calibrate_joint.py)."""
 from __future__ import annotations
 
 import functools
@@ -10,17 +10,18 @@ import json
 import re
 from pathlib import Path
 
-import calibrate
-import calibrate_joint
+import baselines
 import polykv
-from calibrate import (PROMPT_LEN, TEXT, TEXT_VERSION, as_calibrated, budget_from_best,
-                       decode_with, pattern_only, prefill_only, with_prompt)
+from calibrate import PROMPT_LEN, TEXT, TEXT_VERSION, with_prompt
+from engine import calibrate_joint
+from engine.calibration import (UNIFORM_MEMORY, as_calibrated, budget_from_best, calibrate_paper,
+                                decode_with, pattern_only, prefill_only)
 from polykv import Policy
 from support.errors import UsageError
 
 # calibration procedures by name (a policy file's name carries it): the paper's, and the joint
 # one with each objective (past the paper)
-PROCEDURES = {"paper": calibrate.calibrate,
+PROCEDURES = {"paper": calibrate_paper,
               **{name: functools.partial(calibrate_joint.calibrate_joint, **objective)
                  for name, objective in calibrate_joint.OBJECTIVES.items()}}
 
@@ -38,7 +39,7 @@ def policy_path(
 
 # the embedded default model's calibrated policies, shipped with the repository (the same files
 # its calibration writes; `evaluate.py --recalibrate` makes them again)
-SHIPPED = Path(__file__).resolve().parent / "policies"
+SHIPPED = Path(__file__).resolve().parent.parent / "policies"
 
 
 def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_dir="runs/policies",
@@ -70,7 +71,8 @@ def policy_for(model, tok, model_name: str, budget: int, seed: int = 0, cache_di
 def checked(model, path: Path, asked: dict) -> Policy:
     """The policy file `path`, if it was made by what is asked now (`recipe`): else a UsageError
     naming every difference, on one line."""
-    policy = Policy.load(path, n_layers=model.config.n_layers)    # wrong layer count: UsageError
+    # wrong layer count: UsageError
+    policy = Policy.load(path, n_layers=model.config.n_layers, rules=baselines.RULES)
     have = {**recorded(policy), "format": json.loads(path.read_text()).get("format")}
     diff = [f"{k}={have.get(k)!r} (asked {v!r})" for k, v in asked.items() if have.get(k) != v]
     if diff:
@@ -91,7 +93,7 @@ def recipe(procedure: str, model_name: str, budget: int, seed: int, tok, kw: dic
     args = {**defaults, **getattr(fn, "keywords", {}), **kw}
     settings = args["settings"] if tok is None else with_prompt(args["settings"], tok)
     asked = {"format": polykv.POLICY_FORMAT, "model": model_name, "budget": budget, "seed": seed,
-             "pool": list(polykv.pool()),
+             "pool": list(polykv.pool(baselines.RULES)),
              "n_prompts": args["n_prompts"], "prompt_len": args["prompt_len"],
              "cont_len": args["cont_len"], "settings": settings.__dict__}
     asked["source"] = TEXT if tok is not None else "given"         # as set_meta records it
@@ -103,7 +105,7 @@ def recipe(procedure: str, model_name: str, budget: int, seed: int, tok, kw: dic
         b_min = budget // 4 if args["b_min"] is None else args["b_min"]
         asked.update(procedure="paper", preference=args["preference"],
                      sensitivity=args["sensitivity"], b_min=b_min, needles=0,
-                     uniform_memory=calibrate.UNIFORM_MEMORY)
+                     uniform_memory=UNIFORM_MEMORY)
     else:
         asked.update(procedure="joint", signal=args["signal"], needles=args["needles"],
                      probes=args["probes"], retrieval=args["retrieval"])

@@ -1,6 +1,6 @@
 """The GPU run, prepared: time and peak memory of every stage on a Llama-3.1-8B-shaped model.
 
-`python bench_gpu.py` on one CUDA GPU: random weights in the shape of Llama-3.1-8B (32 layers,
+`python -m engine.bench_gpu` on one CUDA GPU: random weights in the shape of Llama-3.1-8B (32 layers,
 32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocab 128256, Llama-3 RoPE scaling), bf16,
 a `--length`-token random prompt (16K by default). It prints one row per stage, with its
 seconds, tokens per second and the GPU's peak memory (torch.cuda.max_memory_allocated) while it
@@ -23,12 +23,14 @@ import time
 
 import torch
 
-import evaluate as E
 import model as M
 import polykv as P
 from support import cli
+from engine import harness as H
+from engine import observe as OB
+from engine.fast import SPEED
+from engine.memory import mixed_policy
 from support.errors import UsageError
-from support.memory import mixed_policy
 
 LLAMA_31_8B = M.Config(
     vocab_size=128256,
@@ -66,9 +68,9 @@ def cuda_stage(name, fn, tokens: int):
 def methods(L: int, budget: int) -> dict:
     """Every default method but FullKV and the random floor; PolyKV as a mixed policy."""
     settings = P.RuleSettings(repeat=REPEAT)
-    names = [n for n in E.default_methods() if n not in ("full", "random")]
+    names = [n for n in H.default_methods() if n not in ("full", "random")]
     return {n: mixed_policy(L, budget, settings) if n == "polykv"
-            else E.method(n, budget, L, settings) for n in names}
+            else H.method(n, budget, L, settings) for n in names}
 
 
 @torch.no_grad()
@@ -81,7 +83,7 @@ def run(m, x, budget: int, steps: int, stage) -> dict:
     made = methods(L, budget)
     everyone = list(made.values())
     full, obs = stage("prefill observing for every default method",
-                      lambda: P.observe_for(m, x, everyone), T)
+                      lambda: OB.observe_for(m, x, everyone), T)
     caches = {}
     for n, meth in made.items():
         caches[n] = stage(f"compress {n}", lambda: meth.compress(m, full, obs), T)
@@ -100,11 +102,11 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=32)
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        raise UsageError("bench_gpu.py needs a CUDA GPU (none is available here)")
+        raise UsageError("python -m engine.bench_gpu needs a CUDA GPU (none is available here)")
     dev = torch.device("cuda")
     torch.manual_seed(0)
     with dev:
-        m = M.Llama(LLAMA_31_8B).to(torch.bfloat16).eval()
+        m = M.Llama(LLAMA_31_8B, SPEED).to(torch.bfloat16).eval()
     for p in m.parameters():                       # small random weights: finite activations
         p.data.normal_(0, 0.02)
     for blk in m.layers:

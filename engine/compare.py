@@ -2,7 +2,7 @@
 values per (method, budget, task, metric), the prompts every method shares, the bootstrap
 draw; each method minus one method (`against`: an ablation read against what it ablates), and
 the leader of each headline measure with the methods that tie it (`leading`), each as lines and
-as a Markdown table (`python -m support.report SUMMARY --versus M`, `--leaders`).
+as a Markdown table (`python -m engine.report SUMMARY --versus M`, `--leaders`).
 
 Uncertainty (docs/protocol.md): every mean gets a 95 % percentile bootstrap
 interval over prompts, *paired* — each resample draws one set of prompts and every method is

@@ -23,7 +23,7 @@ FullKV pass; they see the compressed cache's entries with position <= theirs.
 (the rank in a's score order and the score margin to a's selection boundary there: a near-tie is
 not a bug), the largest bias difference on shared entries and the attention-output error
 ‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error
-below `tol`. Command line: `python oracle.py dump ...` and `python oracle.py compare A B` (exit 0
+below `tol`. Command line: `python -m engine.oracle dump ...` and `python -m engine.oracle compare A B` (exit 0
 on pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your
 implementation against this one" shows the format from the other side.
 """
@@ -37,9 +37,12 @@ from pathlib import Path
 import torch
 
 import calibrate
-import evaluate
+import baselines as BL
 import model as M
 import polykv as P
+from engine import harness as H
+from engine import observe as OB
+from engine.fast import SPEED
 from support import cli
 from support import tasks as TK
 from support.errors import UsageError
@@ -49,16 +52,16 @@ CONVENTIONS = {"paper": P.RuleSettings(), "kvpress": P.KVPRESS}
 
 
 def make_method(name: str, budget: int, n_layers: int, settings=None, policy=None) -> P.Method:
-    """A method by its evaluate.py name (evaluate.method), with no decode-time eviction; polykv
+    """A method by its evaluate.py name (H.method), with no decode-time eviction; polykv
     reads its policy file."""
     if name != "polykv":
-        return evaluate.method(name, budget, n_layers, settings, decode="append")
+        return H.method(name, budget, n_layers, settings, decode="append")
     if policy is None:
         raise UsageError("polykv needs --policy FILE (python calibrate.py --out FILE)")
-    pol = P.Policy.load(policy, n_layers=n_layers)
+    pol = P.Policy.load(policy, n_layers=n_layers, rules=BL.RULES)
     pol = pol if pol.budget == budget else pol.rescaled(budget)
     return P.Policy([P.LayerPolicy(lp.prefill, ("append", lp.decode.budget)) for lp in pol.layers],
-                    pol.budget, pol.settings, pol.meta)
+                    pol.budget, pol.settings, pol.meta, rules=BL.RULES)
 
 
 @torch.no_grad()
@@ -73,7 +76,7 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
         """Keep layer l's queries (1, H, P, D) at the last P prompt positions, and those
         positions."""
         qs[l] = (q[:, :, -P_:].clone(), q_pos[:, -P_:])
-    full, obs = P.observe(model, tokens, method.needs(model), spy)
+    full, obs = OB.observe(model, tokens, method.needs(model), spy)
     cache = method.compress(model, full, obs)
     G = model.config.n_kv_heads
     # ragged: padded view
@@ -88,7 +91,7 @@ def dump(model, tokens: torch.Tensor, method: P.Method, name: str, budget: int, 
          "pos": torch.stack([pad(lc.pos[0], -1) for lc in cache.layers]).cpu(),
          "bias": torch.stack([pad(lc.bias[0].float(), -math.inf) for lc in cache.layers]).cpu()}
     if isinstance(method, P.Policy) and len({lp.prefill.rule for lp in method.layers}) == 1 \
-            and method.layers[0].prefill.rule in P.RULES:
+            and method.layers[0].prefill.rule in BL.RULES:
         rule = method.layers[0].prefill.rule
         scores = []
         for l in range(L):
@@ -298,7 +301,7 @@ def main(argv=None):
         raise UsageError(f"cannot write {args.out!r}: no such folder")
     cli.at_least(1, probes=args.probes, length=args.length)
     cli.at_least(0, decode=args.decode)
-    m, tok = M.load(args.model, device="cpu")
+    m, tok = M.load(args.model, device="cpu", speed=SPEED)
     if args.tokens:
         ids = read_tokens(args.tokens, m.config.vocab_size)
     elif args.text is not None:
