@@ -58,11 +58,13 @@ def pytest_configure(config):
 
 @pytest.fixture(scope="session")
 def embedded():
-    """The default model, loaded once per session. Skips only if the fetch fails outside CI; in
+    """The default model with the engine's fast forms (as evaluate.py loads it), loaded once per
+    session. Skips only if the fetch fails outside CI; in
     CI (CI=true) it fails."""
     import model
+    from engine.fast import SPEED
     try:
-        return model.load(device="cpu", dtype=torch.float32)
+        return model.load(device="cpu", dtype=torch.float32, speed=SPEED)
     except model.UsageError as e:
         if os.environ.get("CI") or not str(e).startswith("could not download"):
             raise

@@ -1,6 +1,6 @@
 """Every Python block of the README and of docs/ runs as written on the embedded model (each in
-its own process: a block may register a rule). A block that starts with a decorator line
-`@P.rule(` is an excerpt of baselines.py and must appear there verbatim. The README's sample of
+its own process). A block that starts with `def ` is an excerpt of baselines.py and must
+appear there verbatim. The README's sample of
 what the first command prints is what its committed run printed, and this code prints its
 table from that run's rows."""
 import os
@@ -25,7 +25,7 @@ def test_pages_have_blocks():
 @pytest.mark.embedded
 @pytest.mark.parametrize("page,i,code", BLOCKS, ids=[f"{p}#{i}" for p, i, _ in BLOCKS])
 def test_block_runs(page, i, code, embedded):
-    if code.startswith("@P.rule("):
+    if code.startswith("def "):
         assert code in (ROOT / "baselines.py").read_text()
         return
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
