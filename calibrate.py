@@ -84,7 +84,7 @@ from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings
 from support import cli, tasks
 from support.errors import UsageError
-from support.files import write_atomic
+from support.files import writable_file, write_atomic
 from support.policy_tables import describe, placement, plot
 
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
@@ -622,7 +622,10 @@ def show(a):
     for f, pol in zip(a.show, pols):
         print(f"{f}:\n{describe(pol)}")
     if a.plot:
-        print(plot(pols, a.plot, polykv.pool()))
+        try:
+            print(plot(pols, a.plot, polykv.pool()))
+        except OSError as e:
+            raise UsageError(f"cannot write {a.plot!r}: {e.strerror}") from None
     if a.shuffle:
         torch.set_num_threads(a.threads)
         m, tok = M.load(a.model)
@@ -650,14 +653,13 @@ def check_options(a):
 
 
 def check_files(a):
-    """The counts, and that the files to write go into existing folders, before minutes of
-    probes, not after."""
+    """The counts, and that the files to write (the policy: --out, policy.json by default; the
+    picture: --plot) can be written, before minutes of probes, not after."""
     cli.at_least(1, threads=a.threads, n_prompts=a.n_prompts, prompt_len=a.prompt_len)
-    for f in filter(None, (a.out, a.plot)):
-        if Path(f).is_dir():
-            raise UsageError(f"cannot write {f!r}: it is a folder")
-        if not Path(f).resolve().parent.is_dir():
-            raise UsageError(f"cannot write {f!r}: no such folder")
+    policy = a.out or (None if getattr(a, "show", None) else "policy.json")
+    for f, option in ((policy, "--out"), (a.plot, "--plot")):
+        if f:
+            writable_file(f, option)
 
 
 ON_CTRL_C = "interrupted: nothing written (a policy file is written once its calibration is done)"

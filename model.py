@@ -640,15 +640,21 @@ default_model_dir = checkpoint.default_model_dir
 def load(path=None, device=None, dtype=None):
     """Load (model, tokenizer) from a HF folder, or the embedded default if path is None.
 
-    Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU."""
+    Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU. Weights that are
+    not finite in that dtype (a damaged file, or values past float16's range) are refused: every
+    logit would be NaN and every score a silent 0."""
     path = checkpoint.folder(path)
     try:
         cfg = Config.from_hf(checkpoint.read_config(path))
-    except KeyError as e:
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         raise UsageError(f"{str(path / 'config.json')!r} is not a usable LLaMA config: {e!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = from_state_dict(cfg, checkpoint.read_weights(path), device, dtype)
+    for name, w in model.named_parameters():
+        if not bool(torch.isfinite(w).all()):
+            raise UsageError(f"{str(path)!r}: weight {name} holds non-finite values as {dtype}: "
+                             f"the weights are damaged; {checkpoint.rebuild(path)}")
     return model, checkpoint.Tokenizer(path / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
 
@@ -664,6 +670,12 @@ def from_state_dict(cfg: Config, sd: dict, device, dtype) -> Llama:
     if missing or unexpected:
         raise UsageError(f"checkpoint does not match the config: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
+    shapes = model.state_dict()
+    wrong = [k for k in sorted(sd) if sd[k].shape != shapes[k].shape]
+    if wrong:
+        raise UsageError(f"checkpoint does not match the config: {wrong[0]} is "
+                         f"{tuple(sd[wrong[0]].shape)}, the config makes it "
+                         f"{tuple(shapes[wrong[0]].shape)} ({len(wrong)} tensors differ)")
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

@@ -614,6 +614,8 @@ class Policy(Method):
     allowance: int = 0    # generated tokens every layer may add on top of its decode budget
 
     def __post_init__(self):
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+            raise UsageError(f"budget must be an integer >= 1, got {self.budget!r}")
         if self.budget < 1:
             raise UsageError(f"budget must be >= 1, got {self.budget}")
         L = len(self.layers)
