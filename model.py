@@ -640,9 +640,12 @@ default_model_dir = checkpoint.default_model_dir
 def load(path=None, device=None, dtype=None):
     """Load (model, tokenizer) from a HF folder, or the embedded default if path is None.
 
-    Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU. Weights that are
-    not finite in that dtype (a damaged file, or values past float16's range) are refused: every
-    logit would be NaN and every score a silent 0."""
+    Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU. A model whose
+    logits for one token are not finite in that dtype (a damaged weights file, values past
+    float16's range) is refused: every logit would be NaN and every score a silent 0. A NaN or
+    ±inf anywhere in a weight matrix reaches those logits (every matrix multiplies the token's
+    activations, and NaN·0 = NaN), except in the embedding rows of other tokens: those are
+    checked on their own (one pass over one table, not over every weight)."""
     path = checkpoint.folder(path)
     try:
         cfg = Config.from_hf(checkpoint.read_config(path))
@@ -651,10 +654,13 @@ def load(path=None, device=None, dtype=None):
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = from_state_dict(cfg, checkpoint.read_weights(path), device, dtype)
-    for name, w in model.named_parameters():
-        if not bool(torch.isfinite(w).all()):
-            raise UsageError(f"{str(path)!r}: weight {name} holds non-finite values as {dtype}: "
-                             f"the weights are damaged; {checkpoint.rebuild(path)}")
+    with torch.no_grad():
+        logits = model(torch.tensor([[cfg.bos_id or 0]], device=device))       # (1, 1, V)
+        finite = bool(torch.isfinite(logits).all()) and \
+            bool(torch.isfinite(model.embed_tokens.weight).all())
+    if not finite:
+        raise UsageError(f"{str(path)!r}: its weights give logits that are not finite as {dtype}: "
+                         f"the weights are damaged; {checkpoint.rebuild(path)}")
     return model, checkpoint.Tokenizer(path / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
 
