@@ -293,7 +293,8 @@ def tiny_run(files, tmp_path) -> list:
 READ_ONLY = [   # (command, its options after tiny_run's for evaluate.py, the error line's start)
     (E.main, ["--out", "{ro}/run"],
      "error: --out '{ro}/run': cannot create the folder ('{ro}' is not writable)"),
-    (E.main, ["--out", "{ro}"], "error: --out '{ro}': the folder is not writable"),
+    (E.main, ["--out", "{ro}", "--methods", "full,polykv", "--calibration-length", "200",
+              "--cache-dir", "{tmp}/policies"], "error: --out '{ro}': the folder is not writable"),
     (E.main, ["--methods", "full,polykv", "--calibration-length", "200",
               "--cache-dir", "{ro}/policies"],
      "error: --cache-dir '{ro}/policies': cannot create the folder ('{ro}' is not writable)"),
@@ -317,11 +318,12 @@ def test_an_output_that_cannot_be_written_is_refused_before_the_work(
     before the model is loaded, calibrated or fetched: one line, nothing written anywhere."""
     monkeypatch.setenv("POLYKV_CACHE", str(read_only))
     monkeypatch.setattr(embedded, "fetch_gguf", None)                # nothing may be fetched
-    names = {**files, "ro": str(read_only)}
+    names = {**files, "ro": str(read_only), "tmp": str(tmp_path)}
     argv = (tiny_run(files, tmp_path) if main is E.main else []) + [a.format(**names)
                                                                      for a in argv]
     assert one_error_line(main, argv, capsys).startswith(message.format(**names))
-    assert not (tmp_path / "run").exists() and list(read_only.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]             # nothing calibrated
+    assert list(read_only.iterdir()) == []
 
 
 def cache_of(tiny_dir, root: Path, change=None, record=False) -> Path:
