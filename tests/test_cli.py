@@ -381,14 +381,20 @@ def test_an_empty_polykv_cache_is_unset(monkeypatch):
     assert M.default_model_dir() == Path.home() / ".cache" / "polykv" / "SmolLM2-135M-Instruct"
 
 
+@pytest.mark.parametrize("where", ["offline", "read-only"])
 def test_a_cache_that_cannot_be_completed_warns_once_per_command(files, tiny_dir, tmp_path,
-                                                                 monkeypatch, capsys):
-    """A converted folder without its extra files, where they cannot be fetched (a read-only
-    cache, no registry): one notice, one warning and one attempt per command, not one per
-    read of the folder; the run goes on without them."""
+                                                                 monkeypatch, capsys, where):
+    """A converted folder without its extra files, where they cannot be written: offline, one
+    notice, one warning and one attempt to fetch them per command (not one per read of the
+    folder); read-only, one warning and no download at all. The run goes on without them."""
     cache = cache_of(tiny_dir, tmp_path / "cache")
+    folder = cache / M.default_model_dir().name
     for name in embedded.EXTRAS:
-        (cache / M.default_model_dir().name / name).unlink()
+        (folder / name).unlink()
+    if where == "read-only":
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: real(path, mode, **kw) and
+                            not (Path(path) == folder and mode & os.W_OK))
     monkeypatch.setenv("POLYKV_CACHE", str(cache))
     fetched = []
 
@@ -400,5 +406,10 @@ def test_a_cache_that_cannot_be_completed_warns_once_per_command(files, tiny_dir
     argv.remove("--model")
     argv.remove(files["tiny"])
     status, err = ran(E.main, argv, capsys)
-    assert status == 0 and len(fetched) == 1
-    assert [line.split(" ")[0] for line in err.strip().splitlines()] == ["adding", "warning:"]
+    said = [line.split(" ")[0] for line in err.strip().splitlines()]
+    if where == "offline":
+        assert status == 0 and len(fetched) == 1 and said == ["adding", "warning:"]
+    else:
+        assert status == 0 and fetched == [] and said == ["warning:"]
+        assert err.strip().endswith("(the folder is not writable); this project does not "
+                                    "need them")
