@@ -299,15 +299,16 @@ def read_record(out: Path) -> dict:
         return {}
     d = read_json(path)
     settings, asked = d.get("settings"), d.get("asked")
-    bad = ("format" if d.get("format") != FORMAT else
-           "settings" if not isinstance(settings, dict) or not FIXED.keys() <= settings.keys()
-           else "asked" if not isinstance(asked, dict)
-           or not all(isinstance(asked.get(k), list) for k in GRID_LISTS)
-           or not all(isinstance(asked.get(k), int) for k in GRID_COUNTS)
-           else "code" if not isinstance(d.get("code"), list) else None)
+    fits = {"format": d.get("format") == FORMAT,
+            "settings": isinstance(settings, dict) and FIXED.keys() <= settings.keys(),
+            "asked": isinstance(asked, dict)
+            and all(isinstance(asked.get(k), list) for k in GRID_LISTS)
+            and all(isinstance(asked.get(k), int) for k in GRID_COUNTS),
+            "code": isinstance(d.get("code"), list)}
+    bad = [k for k, ok in fits.items() if not ok]
     if bad:
-        raise UsageError(f"{str(path)!r} is not a run record of this code ({bad!r} is missing or "
-                         "malformed): restore it, or give another --out")
+        raise UsageError(f"{str(path)!r} is not a run record of this code ({bad[0]!r} is missing "
+                         "or malformed): restore it, or give another --out")
     return d
 
 
