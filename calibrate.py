@@ -79,6 +79,7 @@ from model import Hooks
 from polykv import LayerPolicy, Policy, RuleSettings
 from support import cli, tasks
 from support.errors import UsageError
+from support.files import writable_file
 
 # the calibration text; a cached policy calibrated on another text is never reused (file name)
 TEXT = "pydoc_data.topics, dev split: odd sorted topics minus paragraphs repeated in test"
@@ -416,14 +417,12 @@ def arguments(description: str) -> cli.ArgumentParser:
 
 
 def check_files(a):
-    """The counts, and that the files to write go into existing folders, before minutes of
-    probes, not after."""
+    """The counts, and that the files to write (the policy: --out, policy.json by default; the
+    joint command's picture: --plot) can be written, before minutes of probes, not after."""
     cli.at_least(1, threads=a.threads, n_prompts=a.n_prompts, prompt_len=a.prompt_len)
-    for f in filter(None, (a.out, getattr(a, "plot", None))):
-        if Path(f).is_dir():
-            raise UsageError(f"cannot write {f!r}: it is a folder")
-        if not Path(f).resolve().parent.is_dir():
-            raise UsageError(f"cannot write {f!r}: no such folder")
+    for f, option in ((a.out or "policy.json", "--out"), (getattr(a, "plot", None), "--plot")):
+        if f:
+            writable_file(f, option)
 
 
 def run(a, settings_line: str, procedure) -> Policy:

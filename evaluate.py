@@ -59,12 +59,17 @@ with the same arguments skips what is there (a torn last line, from a run killed
 is dropped with a warning and recomputed). OUT/summary.json (flat rows for scripts) and
 OUT/summary.md (the table) are written at the end. OUT/run.json records the settings that
 define the rows: a rerun or --report whose settings would change or relabel them refuses, one
-that adds methods, budgets or prompts resumes (engine/run_folder.py).
+that adds methods, budgets or prompts resumes (engine/run_folder.py). A run holds its folder
+alone (a second run into it refuses), every row carries its seed, split and a digest of its
+settings, and a row without a field its prompt measures, or with a value that is not a finite
+number, is refused, never summarized over fewer prompts.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -77,7 +82,7 @@ from engine import harness as H
 from engine import longbench as LB
 from engine import report, run_folder
 from engine.fast import SPEED
-from support import checkpoint, cli
+from support import cli
 from support.errors import UsageError
 from support.files import read_rows, write_atomic
 
@@ -106,6 +111,15 @@ def barrier(world):
 
 def main(argv=None):
     args = H.parse(argv)
+    with contextlib.ExitStack() as held:      # the run folder's lock, dropped however it ends
+        return execute(args, held)
+
+
+def execute(args, held: contextlib.ExitStack):
+    """The run of parsed args: check the folder, compute what is missing, summarize. Rank 0 of a
+    run that writes holds the folder's lock (run_folder.lock) in `held`: from the start when the
+    folder exists, else from when it is made (then it must still hold no rows: a run that made
+    and filled it meanwhile is refused, its rows untouched)."""
     t_start = time.time()
     rank, world = distributed(args)
     if args.threads:
@@ -126,19 +140,26 @@ def main(argv=None):
         keyed["calibration_length"] = args.calibration_length
     digest = hashlib.sha1(json.dumps(keyed, sort_keys=True).encode()).hexdigest()
     out = Path(args.out or f"runs/{args.model_name}-{digest[:8]}")
-    model_files = run_folder.model_files(checkpoint.folder(args.model), tok.has_chat_template)
+    # the folder M.load checked (the embedded one: converted and completed once per command)
+    args.model_dir = Path(args.model) if args.model else M.default_model_dir()
+    model_files = run_folder.model_files(args.model_dir, tok.has_chat_template)
     fixed, grid = run_settings(args, str(m.dtype), run_folder.sha256(model_files)), run_grid(args)
+    writer = rank == 0 and not args.report
+    locked = writer and out.is_dir()
+    if locked:                            # one writer per folder, before its rows are read
+        held.enter_context(run_folder.lock(out))
+    rows = read_folder_rows(out, repair=writer)
     recorded = run_folder.check(out, fixed, {"data": args.data, "policy": args.policy}, grid,
-                                LEGACY_DEFAULTS, args.report)
+                                LEGACY_DEFAULTS, args.report, rows)
+    spent = run_folder.wall(recorded, out)   # what the folder's rows cost so far (None: unknown)
     config = {**keyed, "budgets": args.budget, "methods": args.methods, "protocols": args.protocol,
               "device": str(m.device), "out": str(out)}
     if rank == 0:
         print("config: " + json.dumps(config), flush=True)
+        print(f"output folder: {out}", flush=True)
     items = H.build_items(tok, args, m)
     args.allowance = H.run_allowance(args, items)
-    rows = [
-        r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f, repair=not args.report)
-    ]
+    check_rows(rows, items, args, out)
     done = {r["key"] for r in rows}
     def every(it):       # every row key the run asks of an item
         return {k for n in args.methods for b in args.budget for p in args.protocol
@@ -148,7 +169,7 @@ def main(argv=None):
         wanted = set().union(*map(every, finished))
         rows = [r for r in rows if r["key"] in wanted]
         config["prompts"] = f"{len(finished)} of {len(items)} (--report)"
-        return summarize(args, config, out, rows, m, None)
+        return summarize(args, config, out, rows, m, rows_cost(rows) if spent is None else spent)
     barrier(world)                        # every rank has read the files before any appends
     methods = H.Methods(m, tok, args)
     for turn in (0, 1):                   # PolyKV calibrates here, once (rank 0), before the loop
@@ -162,35 +183,42 @@ def main(argv=None):
     # own file
     items = sorted(items, key=lambda it: it.index)
     todo = [it for it in items if not every(it) <= done]
+    spent = rows_cost(rows) if spent is None else spent
     make_folder(out)                      # every check passed: the folder records this run
+    if writer and not locked:             # made here: held from now on, still empty
+        held.enter_context(run_folder.lock(out))
+        if rows != read_folder_rows(out, repair=False) or (out / run_folder.SETTINGS).exists():
+            raise UsageError(f"another run wrote into {str(out)!r} while this one started: rerun "
+                             "the command (it resumes from the rows there)")
     if rank == 0:
         note = run_folder.record(out, recorded, fixed, grid, run_folder.code_version(),
-                                 adds_rows=bool(todo), had_rows=bool(rows))
+                                 adds_rows=bool(todo), had_rows=bool(rows), wall_s=spent)
         if note:
             print(note, flush=True)
     mine = {id(it) for it in todo[rank::world]}
     jsonl = out / ("samples.jsonl" if world == 1 else f"samples.rank{rank}.jsonl")
+    labels = run_folder.labels(fixed)
     t0, n_run = time.time(), 0
     with open(jsonl, "a") as f:
         for i, item in enumerate(items):
             if id(item) not in mine:
                 continue
             new = [
-                r
+                {**r, **({"metric": item.sample.metric} if item.sample is not None else {}),
+                 **labels}
                 for r in H.run_item(
                     m, tok, methods, args.methods, args.budget, item, done, args.protocol
                 )
                 # a partly finished item: its missing rows only
                 if r["key"] not in done
             ]
-            for r in new:
-                if item.sample is not None:
-                    r["metric"] = item.sample.metric
-                f.write(json.dumps(r) + "\n")
+            f.write("".join(row_line(r, item) + "\n" for r in new))
             f.flush()
             rows += new
             done |= {r["key"] for r in new}
             n_run += 1
+            if rank == 0:                 # the time the rows cost, kept past a kill
+                run_folder.spent(out, spent + time.time() - t_start)
             eta = (time.time() - t0) / n_run * (len(mine) - n_run)
             print(
                 ("" if world == 1 else f"rank {rank} ")
@@ -201,9 +229,77 @@ def main(argv=None):
     barrier(world)
     if rank != 0:
         return
-    rows = [r for f in sorted(out.glob("samples*.jsonl")) for r in read_rows(f)]
+    rows = read_folder_rows(out, repair=False)
     config["prompts"] = str(len(items))
-    summarize(args, config, out, rows, m, t_start)
+    if todo:
+        spent += time.time() - t_start
+        run_folder.spent(out, spent)
+    summarize(args, config, out, rows, m, spent)
+
+
+# the fields of every row (the key's parts, the prompt's length, the memory and time measures)
+ROW_FIELDS = ("key", "method", "budget", "task", "length", "index", "n_tokens", "kv_fraction",
+              "compress_s", "prefill_s")
+# what a teacher-forced question adds, and a greedy answer
+FORCED = ("kl", "dnll", "top1", "peak_fraction", "alloc_fraction")
+ANSWERED = ("pred", "score")
+
+
+def read_folder_rows(out: Path, repair: bool) -> list:
+    """The rows of every OUT/samples*.jsonl, each holding ROW_FIELDS (support/files.read_rows;
+    repair: cut a torn last line, done by the run that holds the folder)."""
+    return [r for f in sorted(out.glob("samples*.jsonl"))
+            for r in read_rows(f, repair=repair, need=ROW_FIELDS)]
+
+
+def check_rows(rows, items, args, out: Path):
+    """A UsageError naming the first row of this run's prompts that lacks a measure its question
+    takes (FORCED where a continuation or gold answer is teacher-forced; ANSWERED where the
+    answer is generated, --greedy) or holds one that is not a finite number: summarized, it
+    would silently count one prompt fewer, or raise."""
+    need = {}
+    for it in items:
+        greedy = args.greedy is None or it.task in args.greedy
+        questions = [(it.target, it.sample)] + [(gold, smp) for _, smp, gold in it.turns]
+        for turn, (target, sample) in enumerate(questions):
+            fields = (FORCED if target is not None else ()) + \
+                (ANSWERED if sample is not None and greedy else ())
+            for n in args.methods:
+                for b in args.budget:
+                    for p in args.protocol:
+                        need[H.result_key(n, b, it, p, turn)] = fields
+    for r in rows:
+        bad = [k for k in need.get(r["key"], ()) if k not in r or
+               (k != "pred" and not finite(r[k]))]
+        if bad:
+            raise UsageError(f"the row {r['key']!r} of {str(out)!r} lacks a finite "
+                             f"{', '.join(bad)}: delete its line from samples*.jsonl (its row "
+                             "is then computed again)")
+
+
+def finite(x) -> bool:
+    """x is a finite number (not a bool)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def row_line(r: dict, item) -> str:
+    """A row as its JSONL line: strict JSON (a NaN or infinity is refused, never written bare)."""
+    try:
+        return json.dumps(r, allow_nan=False)
+    except ValueError:
+        bad = [k for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)]
+        raise UsageError(f"{item.task} #{item.index}: {r['method']} at {r['budget']} measured "
+                         f"{', '.join(f'{k}={r[k]}' for k in bad)}: not a finite number; nothing "
+                         "written for this prompt") from None
+
+
+def rows_cost(rows) -> float:
+    """The seconds the rows themselves record, for a folder that never recorded its wall time: each
+    prompt's shared prefill once and every row's compression (a lower bound: decoding is not
+    timed per row)."""
+    prefill = {(r["task"], r["length"], r["index"], report.protocol(r) == "agnostic"):
+               r["prefill_s"] for r in rows}
+    return sum(prefill.values()) + sum(r["compress_s"] for r in rows)
 
 
 LEGACY_DEFAULTS = {"greedy": None, "calibration_length": calibrate.PROMPT_LEN}
@@ -245,9 +341,10 @@ KL_ACROSS_PROTOCOLS = (
     "under agnostic on the compressed cache after the question is fed.")
 
 
-def summarize(args, config, out, rows, m, t_start):
-    """summary.json, summary.md (+ the plot) of a run's per-sample rows, one table per protocol
-    (t_start None: a --report of rows written earlier, whose wall time is not known here)."""
+def summarize(args, config, out, rows, m, wall_s: float):
+    """summary.json, summary.md (+ the plot) of a run's per-sample rows, one table per protocol;
+    wall_s: the seconds the folder's rows cost (run_folder.wall, a resume's and --report's
+    too)."""
     summary = []              # per protocol
     for p in args.protocol:
         mine = [r for r in rows if report.protocol(r) == p]
@@ -256,8 +353,7 @@ def summarize(args, config, out, rows, m, t_start):
             for d in report.summarize(mine, args.methods, args.budget, H.baselines(),
                                       [n for n in args.methods if H.family(n) == "polykv"])
         ]
-    # None: --report
-    config["wall_s"] = None if t_start is None else round(time.time() - t_start, 1)
+    config["wall_s"] = round(wall_s, 1)
     # one observation per prompt serves every protocol; rows written before it was so record
     # an own pass for `agnostic` (without the question): each kind is averaged on its own
     seen = {"shared": {}, "agnostic": {}}
@@ -270,7 +366,7 @@ def summarize(args, config, out, rows, m, t_start):
     if len(mean) == 2 and mean["agnostic"] != mean["shared"]:
         config["prefill_agnostic_s"] = mean["agnostic"]
     if args.report:                   # a summary is never replaced by one with fewer rows
-        lost = run_folder.lost(run_folder.read_json(out / "summary.json").get("rows", []), summary)
+        lost = run_folder.lost(run_folder.read_summary(out).get("rows", []), summary)
         if lost:
             more = f" and {len(lost) - 1} more" if len(lost) > 1 else ""
             raise UsageError(f"--report would replace {str(out / 'summary.json')!r} with fewer "

@@ -91,15 +91,12 @@ class Settings:
                              f"got {self.bend_widths}")
         if self.slot_max < 2 * self.slot_min:
             raise UsageError(f"need slot_max >= 2·slot_min, got {self.slot_min}..{self.slot_max}")
-        if not (
-            0 <= self.lambda_graph <= 1
-            and 0 <= self.floor_frac <= 1
-            and 0 <= self.hop_forward <= 1
-            and min(self.hops, self.evidence) >= 0
-        ):
-            raise UsageError(
-                "need lambda_graph, floor_frac, hop_forward in [0, 1] and hops, evidence >= 0"
-            )
+        for name in ("lambda_graph", "floor_frac", "hop_forward"):
+            if not 0 <= getattr(self, name) <= 1:
+                raise UsageError(f"{name}={getattr(self, name)!r} must be in [0, 1]")
+        for name in ("hops", "evidence"):
+            if getattr(self, name) < 0:
+                raise UsageError(f"{name}={getattr(self, name)!r} must be >= 0")
 
     def to_json(self) -> dict:       # JSON-ready
         return dict(self.__dict__)

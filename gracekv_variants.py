@@ -191,8 +191,13 @@ def is_row(name: str) -> bool:
 
 
 def variant(name: str, budget: int, memo=None) -> GK.GraceKV:
-    """The GraceKV row `name` at `budget` (memo: gracekv.compress's)."""
-    settings, formulas = build(overrides(name))
+    """The GraceKV row `name` at `budget` (memo: gracekv.compress's); a setting out of its
+    range is a UsageError that names the row."""
+    over = overrides(name)
+    try:
+        settings, formulas = build(over)
+    except UsageError as e:
+        raise UsageError(f"{name}: {e}") from None
     return GK.GraceKV(budget, settings, formulas, memo)
 
 

@@ -654,16 +654,28 @@ def load(path=None, device=None, dtype=None, speed: Optional[Speed] = None):
     """Load (model, tokenizer) from a HF folder, or the embedded default if path is None.
 
     Default device: cuda if available; default dtype: bf16 on GPU, fp32 on CPU. speed: the
-    fast forms to hand the model (engine/fast.py's SPEED), None for the naive ones."""
+    fast forms to hand the model (engine/fast.py's SPEED), None for the naive ones. A model whose
+    logits for one token are not finite in that dtype (a damaged weights file, values past
+    float16's range) is refused: every logit would be NaN and every score a silent 0. A NaN or
+    ±inf anywhere in a weight matrix reaches those logits (every matrix multiplies the token's
+    activations, and NaN·0 = NaN), except in the embedding rows of other tokens: those are
+    checked on their own (one pass over one table, not over every weight)."""
     path = checkpoint.folder(path)
     try:
         cfg = Config.from_hf(checkpoint.read_config(path))
-    except KeyError as e:
+    except (KeyError, TypeError, ValueError, AttributeError, ArithmeticError) as e:
         raise UsageError(f"{str(path / 'config.json')!r} is not a usable LLaMA config: {e!r}")
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     dtype = dtype or (torch.bfloat16 if device.type == "cuda" else torch.float32)
     model = from_state_dict(cfg, checkpoint.read_weights(path), device, dtype)
     model.speed = speed
+    with torch.no_grad():
+        logits = model(torch.tensor([[cfg.bos_id or 0]], device=device))       # (1, 1, V)
+        finite = bool(torch.isfinite(logits).all()) and \
+            bool(torch.isfinite(model.embed_tokens.weight).all())
+    if not finite:
+        raise UsageError(f"{str(path)!r}: its weights give logits that are not finite as {dtype}: "
+                         f"the weights are damaged; {checkpoint.rebuild(path)}")
     return model, checkpoint.Tokenizer(path / "tokenizer.json", cfg.bos_id, cfg.eos_ids)
 
 
@@ -679,6 +691,12 @@ def from_state_dict(cfg: Config, sd: dict, device, dtype) -> Llama:
     if missing or unexpected:
         raise UsageError(f"checkpoint does not match the config: missing {sorted(missing)[:3]}, "
                          f"unexpected {sorted(unexpected)[:3]}")
+    shapes = model.state_dict()
+    wrong = [k for k in sorted(sd) if sd[k].shape != shapes[k].shape]
+    if wrong:
+        raise UsageError(f"checkpoint does not match the config: {wrong[0]} is "
+                         f"{tuple(sd[wrong[0]].shape)}, the config makes it "
+                         f"{tuple(shapes[wrong[0]].shape)} ({len(wrong)} tensors differ)")
     model.load_state_dict(sd, strict=False, assign=True)
     if cfg.tie_embeddings:
         model.lm_head.weight = model.embed_tokens.weight

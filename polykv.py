@@ -499,6 +499,8 @@ class Policy(Method):
 
     def __post_init__(self):
         self.rules = RULES if self.rules is None else self.rules
+        if isinstance(self.budget, bool) or not isinstance(self.budget, int):
+            raise UsageError(f"budget must be an integer >= 1, got {self.budget!r}")
         if self.budget < 1:
             raise UsageError(f"budget must be >= 1, got {self.budget}")
         L = len(self.layers)

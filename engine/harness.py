@@ -33,9 +33,10 @@ from engine import longbench as LB
 from engine import metrics, policy_cache
 from engine import observe as OB
 from engine import protocols as PR
-from support import cli
+from support import checkpoint, cli
 from support import tasks as TK
 from support.errors import UsageError
+from support.files import writable_folder
 
 
 # ----------------------------------------------------------------------------- the method names
@@ -224,6 +225,7 @@ class Methods:
         kept = policy_cache.policy_path(args.model_name, budget, args.seed, shipped, procedure, T) \
             if shipped is not None else None
         if args.recalibrate or not (path.exists() or (kept is not None and kept.exists())):
+            writable_folder(path.parent, "--cache-dir")        # before minutes of calibration
             where = (f"calibrating on {T}-token prompts into {path} (2 CPU cores: about 4-9 min "
                      "at 2,048 tokens, 4x that at 8,000)")
         else:
@@ -327,6 +329,11 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
     # t_p: the prefill (extra passes: their methods' cost, own_pass)
     observed, needs, t_p = shared["observed"]
     full, obs = observed[seen.shape[1]]
+    if not bool(torch.isfinite(full.last_logits).all()):
+        why = checkpoint.rebuild(methods.args.model_dir)
+        raise UsageError(f"{item.task} #{item.index}: the model's logits are not finite "
+                         f"({model.dtype}): damaged weights ({why}) or an overflow of the "
+                         "dtype (try --dtype float32); nothing written for it")
     part, part_obs = PR.cut(full, obs, needs, a, b) if protocol == "context" else (full, obs)
 
     # a question arrives: fed to the cache and appended, as decoding would
@@ -499,6 +506,9 @@ def build_items(tok, args, model):
             items.append(
                 Item(s.task, s.index, 0, as_t(ids), s, split=PR.split(tok, ids, s) if cut else None)
             )
+    if not items:
+        raise UsageError("nothing to run: no prompt was built (--tasks, --samples, "
+                         "--fidelity-samples and --data give none)")
     for it in items:
         if it.tokens.shape[1] > model.config.max_seq_len:
             option = "--fidelity-length" if it.task == "fidelity" else "--length"
@@ -621,6 +631,11 @@ def parse(argv):
             gracekv_variants.variant(m, 1)
     if bad:
         raise UsageError(f"unknown method {bad[0]!r}; choose from {', '.join(all_methods())}")
+    if args.policy and not any(family(n) == "polykv" for n in args.methods):
+        # refused, not ignored: its hash would go into run.json and bind later reruns to it
+        raise UsageError(f"--policy is read by the PolyKV rows only (polykv, polykv-...), and "
+                         f"--methods has none ({','.join(args.methods)}): add one, or leave "
+                         "--policy out")
     args.tasks = list(dict.fromkeys(t for t in args.tasks.split(",") if t))
     bad = [t for t in args.tasks if t not in TK.RULER_TASKS]
     if bad:
@@ -645,6 +660,11 @@ def parse(argv):
         raise UsageError(f"budget must be >= 1, got {min(args.budget)}")
     check_numbers(args)
     check_files(args)
+    try:
+        torch.device(args.device or "cpu")
+    except RuntimeError:
+        raise UsageError(f"--device {args.device!r}: not a device; use cpu, cuda or cuda:N") \
+            from None
     if args.device and args.device.startswith("cuda") and not torch.cuda.is_available():
         raise UsageError(
             f"--device {args.device}: no CUDA device is available here (use --device cpu)"
@@ -686,23 +706,19 @@ def check_numbers(args):
 
 def check_files(args):
     """The paths a run reads or writes, before the model is loaded: --data a folder of LongBench
-    files, --policy a file, --out a folder or a path one can be made at (--report: an existing
-    folder, which it never creates)."""
+    files, --policy a file, --out a writable folder or a path one can be made at (without --out:
+    runs/; --report: an existing folder, which it never creates)."""
     if args.data:
         LB.dataset_files(args.data)
     if args.policy and not Path(args.policy).is_file():
         raise UsageError(f"--policy {args.policy!r}: no such file")
-    if args.out is None:
-        return
-    out = Path(args.out)
+    out = Path(args.out or "runs")            # without --out: a folder made in runs/
     if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {args.out!r} is a file, not a folder")
-    if args.report and not out.is_dir():
-        raise UsageError(f"--out {args.out!r}: no such run folder (--report summarizes the rows "
+        raise UsageError(f"--out {str(out)!r} is a file, not a folder")
+    if args.report and args.out and not out.is_dir():
+        raise UsageError(f"--out {str(out)!r}: no such run folder (--report summarizes the rows "
                          "of a run; it creates no folder)")
-    above = next(p for p in out.absolute().parents if p.exists())
-    if not above.is_dir():
-        raise UsageError(f"--out {args.out!r}: {str(above)!r} is a file, not a folder")
+    writable_folder(out, "--out")
 
 
 def method_list(text: str) -> list:

@@ -116,6 +116,9 @@ def _read_jsonl(path: Path) -> list:
             if not isinstance(row.get(name), kind):
                 raise UsageError(f"{path}:{n}: field {name!r} missing or not a {kind.__name__}")
         rows.append(row)
+    if not rows:
+        raise UsageError(f"{path}: holds no samples (no JSON lines): fill it, or move it out of "
+                         "the --data folder")
     return rows
 
 

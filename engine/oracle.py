@@ -19,7 +19,8 @@ tokens (`decode_tokens`) to both caches, appending (no decode-time eviction), so
 attention kernels over the same kept set. Probe queries are each layer's own queries from the
 FullKV pass; they see the compressed cache's entries with position <= theirs.
 
-`compare(a, b)` reports per unit exact-set agreement, Jaccard, where two selections first differ
+`compare(a, b)` (files of the same prompt, --probes and --decode; else "cannot compare", exit 2)
+reports per unit exact-set agreement, Jaccard, where two selections first differ
 (the rank in a's score order and the score margin to a's selection boundary there: a near-tie is
 not a bug), the largest bias difference on shared entries and the attention-output error
 ‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error
@@ -46,6 +47,7 @@ from engine.fast import SPEED
 from support import cli
 from support import tasks as TK
 from support.errors import UsageError
+from support.files import writable_file
 
 FORMAT = "kvcache-oracle/1"
 CONVENTIONS = {"paper": P.RuleSettings(), "kvpress": P.KVPRESS}
@@ -203,12 +205,21 @@ def compare(a_path, b_path, tol: float = 1e-3) -> dict:
     """Agreement of two reference files (a = the reference): per unit and in summary."""
     (a, ha), (b, hb) = read(a_path), read(b_path)
     if not torch.equal(a["tokens"], b["tokens"]):
-        raise UsageError("the two files are for different prompts")
+        raise UsageError("cannot compare: the two files are for different prompts")
     if a["pos"].shape[:2] != b["pos"].shape[:2]:
         raise UsageError(
             f"different (layers, KV heads): {tuple(a['pos'].shape[:2])} vs "
             f"{tuple(b['pos'].shape[:2])}"
         )
+    for k, what in (("P", "probe queries (--probes)"), ("n", "decode steps (--decode)")):
+        if ha.get(k) != hb.get(k):
+            raise UsageError(f"cannot compare: {str(a_path)!r} has {ha.get(k)} {what}, "
+                             f"{str(b_path)!r} {hb.get(k)}; dump both with the same --probes "
+                             "and --decode")
+    for k in ("out", "full_out"):
+        if a[k].shape != b[k].shape:
+            raise UsageError(f"cannot compare: {k} is {tuple(a[k].shape)} in {str(a_path)!r}, "
+                             f"{tuple(b[k].shape)} in {str(b_path)!r} (other models?)")
     L, G = a["pos"].shape[:2]
     units = []
     for l in range(L):
@@ -235,9 +246,11 @@ def compare(a_path, b_path, tol: float = 1e-3) -> dict:
 def summary(res: dict) -> str:
     """One screen: the verdict, the disagreeing units (first ten), the output error."""
     units, bad = res["units"], res["bad"]
+    def named(h):                          # 'snapkv B=128 (paper conventions)'
+        conventions = f" ({h['conventions']} conventions)" if "conventions" in h else ""
+        return f"{h['method']} B={h['budget']}{conventions}"
     lines = [
-        f"{res['a']['method']} B={res['a']['budget']} vs {res['b']['method']} "
-        f"B={res['b']['budget']}: "
+        f"{named(res['a'])} vs {named(res['b'])}: "
         f"{len(units) - len(bad)}/{len(units)} (layer, KV head) units agree "
         f"({100 * (len(units) - len(bad)) / len(units):.1f} %), mean Jaccard "
         f"{sum(u['jaccard'] for u in units) / len(units):.4f}, attention-output error max "
@@ -295,10 +308,7 @@ def main(argv=None):
     )
     if args.budget < 1:
         raise UsageError(f"budget must be >= 1, got {args.budget}")
-    if Path(args.out).is_dir():
-        raise UsageError(f"cannot write {args.out!r}: it is a folder")
-    if not Path(args.out).resolve().parent.is_dir():
-        raise UsageError(f"cannot write {args.out!r}: no such folder")
+    writable_file(args.out, "--out")
     cli.at_least(1, probes=args.probes, length=args.length)
     cli.at_least(0, decode=args.decode)
     m, tok = M.load(args.model, device="cpu", speed=SPEED)

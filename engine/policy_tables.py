@@ -21,7 +21,7 @@ from engine.observe import observe_for
 from polykv import LayerPolicy, Policy
 from support import cli, tasks
 from support.errors import UsageError
-from support.files import write_atomic
+from support.files import writable_file, write_atomic
 
 
 def table(policy) -> str:
@@ -207,7 +207,10 @@ def main(argv=None):
     if a.out and not a.shuffle:
         raise UsageError("--out is where --shuffle N writes its JSON: give --shuffle N >= 1, or "
                          "leave --out out")
-    calibrate.check_files(a)
+    cli.at_least(1, threads=a.threads, n_prompts=a.n_prompts, prompt_len=a.prompt_len)
+    for f, option in ((a.out, "--out"), (a.plot, "--plot")):
+        if f:
+            writable_file(f, option)
     pols = [Policy.load(f, rules=baselines.RULES) for f in a.policies]
     for f, pol in zip(a.policies, pols):
         print(f"{f}:\n{describe(pol)}")

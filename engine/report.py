@@ -18,6 +18,8 @@ from support.errors import UsageError
 from support.files import read_rows
 
 HEADLINE = {("fidelity", "kl"), ("answer", "dnll")}     # plus every RULER / LongBench score
+# what the comparisons read of every per-sample row (a line without them is refused)
+ROW_KEY = ("method", "budget", "task", "length", "index")
 
 
 def protocol(row: dict) -> str:
@@ -76,11 +78,19 @@ def summarize(rows: list, names, budgets, baselines=(), gap_methods=()) -> list:
 def gap_row(m, budget, task, metric, X, boot, best, n) -> dict:
     """Gap recovered = (method − best uniform) / (FullKV − best uniform) (the PolyKV paper's
     headline measure), with its
-    paired interval (the best uniform rule is fixed by the point estimate)."""
+    paired interval (the best uniform rule is fixed by the point estimate). The ratio needs a
+    gap to divide by: none (value None) where the paired 95 % interval of FullKV − best uniform
+    (`full_gap`) holds 0 (they tie), or where that gap is smaller than the half-width h of the
+    paired interval of method − best uniform (`half`): the ratio's interval then spans more than
+    the whole gap, ±h/|gap| > 100 %, and its value says nothing."""
     den = X["full"].mean() - X[best].mean()
+    lo, hi = interval(boot["full"] - boot[best])
+    mlo, mhi = interval(boot[m] - boot[best])
     row = {"method": m, "budget": budget, "task": "gap", "metric": f"{task}_{metric}",
-           "best_uniform": best, "n": n}
-    if abs(den) < 1e-12:
+           "best_uniform": best, "n": n,
+           "full_gap": {"diff": round(float(den), 4), "ci_low": round(lo, 4),
+                        "ci_high": round(hi, 4)}, "half": round((mhi - mlo) / 2, 4)}
+    if abs(den) < 1e-12 or lo <= 0 <= hi or abs(den) < (mhi - mlo) / 2:
         return {**row, "value": None}
     with np.errstate(divide="ignore", invalid="ignore"):
         g = (boot[m] - boot[best]) / (boot["full"] - boot[best])
@@ -134,7 +144,9 @@ def table(summary: list, names, budgets, ruler_tasks) -> str:
 
 def diff_lines(summary, names, budgets, ruler_tasks) -> list:
     """Per budget and headline metric: each method minus the best uniform rule, paired 95 %
-    interval, 'tie' when it contains 0; then PolyKV's gap recovered with its interval."""
+    interval, 'tie' when it contains 0; then PolyKV's gap recovered with its interval, or why
+    there is none. The best uniform is named as its row (`kvzip`, the head-wise allocation, is
+    not `kvzip-uniform`)."""
     out = []
     pairs = [(d["task"], d["metric"]) for d in summary]
     for b in budgets:
@@ -156,22 +168,33 @@ def diff_lines(summary, names, budgets, ruler_tasks) -> list:
                 )
             ]
             out.append(
-                f"\nB = {b}, {label} minus best uniform ({best}), paired 95 % CI: "
+                f"\nB = {b}, {label} minus the best uniform (row {best}), paired 95 % CI: "
                 + "; ".join(parts)
             )
         for d in summary:
             if d["budget"] == b and d["task"] == "gap":
-                v = (
-                    "n/a (best uniform = FullKV)"
-                    if d["value"] is None
-                    else f"{100 * d['value']:+.1f}% [{100 * d['ci_low']:+.1f}%, "
-                         f"{100 * d['ci_high']:+.1f}%]"
-                )
-                out.append(
-                    f"\n{d['method']} @ {b}, gap recovered on {d['metric']}: {v} (best uniform "
-                    f"{d['best_uniform']})"
-                )
+                out.append(f"\n{d['method']} @ {b}, gap recovered on {d['metric']}: "
+                           + gap_text(d))
     return out
+
+
+def gap_text(d: dict) -> str:
+    """A gap row as its line says it: the ratio and its interval, over the best uniform's row;
+    or why there is none (gap_row): FullKV and the best uniform tie, or their gap is smaller
+    than the method's own uncertainty against the best uniform."""
+    best = d["best_uniform"]
+    if d["value"] is not None:
+        return (f"{100 * d['value']:+.1f}% [{100 * d['ci_low']:+.1f}%, {100 * d['ci_high']:+.1f}%]"
+                f" (best uniform: row {best})")
+    g = d.get("full_gap")
+    if g is None:                     # a summary written before full_gap was recorded
+        return f"n/a: FullKV and the best uniform (row {best}) score the same, no gap to recover"
+    gap = f"full − {best} {g['diff']:+.4g} [{g['ci_low']:+.4g}, {g['ci_high']:+.4g}]"
+    if g["ci_low"] <= 0 <= g["ci_high"]:
+        return f"n/a: FullKV and the best uniform (row {best}) tie ({gap}), no gap to recover"
+    return (f"n/a: the gap to recover ({gap}, best uniform: row {best}) is smaller than "
+            f"{d['method']}'s own interval against it (±{d['half']:.4g}): a ratio over it means "
+            "nothing")
 
 
 def progress(rows, item, names, budget, i, n, eta) -> str:
@@ -348,7 +371,8 @@ def main(argv=None):
             flag = "--versus" if a.versus else "--leaders" if a.leaders else "--before"
             raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} "
                              "(samples*.jsonl)")
-        samples = [r for f in files for r in read_rows(f, repair=False) if protocol(r) == proto]
+        samples = [r for f in files for r in read_rows(f, repair=False, need=ROW_KEY)
+                   if protocol(r) == proto]
         if a.versus and a.versus not in {r["method"] for r in samples}:
             raise UsageError(f"--versus {a.versus!r}: no such method in the per-sample rows")
         if a.versus:
@@ -362,7 +386,7 @@ def main(argv=None):
             if not older:
                 raise UsageError(f"--before needs the per-sample rows beside {a.before!r} "
                                  "(samples*.jsonl)")
-            before = [r for f in older for r in read_rows(f, repair=False)
+            before = [r for f in older for r in read_rows(f, repair=False, need=ROW_KEY)
                       if protocol(r) == proto]
             print("\n" + "\n".join(before_after(samples, before, names, budgets, cfg["tasks"])))
         if a.leaders:

@@ -23,12 +23,29 @@ the folder first:
 A folder written before run.json existed (the committed results/) is checked against what its
 summary.json records of the fixed settings (older summaries leave out --greedy and
 --calibration-length at their defaults, and hold no hashes), then recorded as it is now.
+
+What keeps those promises when files go missing or are edited:
+- Every row carries its seed and split and a digest of all the fixed settings (`labels`), so
+  a folder that lost run.json and its summary still refuses a rerun that would relabel its
+  rows. A run.json that is not what `record` writes (an edit, a half-copied file) is refused,
+  never read as "no settings".
+- One writer at a time (`lock`): a run holds an exclusive flock on the folder itself while it
+  appends, so a second run into the same --out refuses in one line instead of writing every
+  row twice. The kernel drops the lock when its process ends, however it ends: a killed run
+  leaves nothing that blocks the next one, and no lock file.
+- run.json's `wall_s`: the seconds of the runs that added the folder's rows, summed (each run
+  adds its own from its start, updated after every prompt), so a resume or --report keeps the
+  time the rows cost.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import math
+import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 from support.errors import UsageError
@@ -70,6 +87,17 @@ def model_files(folder, chat_template: bool) -> list:
     files = [folder / "config.json", folder / "tokenizer.json"]
     files += sorted(folder.glob("*.safetensors"))
     return files + ([folder / "tokenizer_config.json"] if chat_template else [])
+
+
+def digest(fixed: dict) -> str:
+    """The fixed settings in 12 hex digits (sha256 of their sorted JSON)."""
+    return hashlib.sha256(json.dumps(fixed, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def labels(fixed: dict) -> dict:
+    """What every row carries of the settings that made it: seed and split by value (what a
+    relabelling rerun most often changes, named in its refusal), all fixed settings by digest."""
+    return {"seed": fixed["seed"], "split": fixed["split"], "settings": digest(fixed)}
 
 
 def code_version() -> str:
@@ -141,24 +169,25 @@ def option(key: str) -> str:
 
 
 def check(out: Path, fixed: dict, paths: dict, grid: dict, legacy_defaults: dict,
-          report: bool) -> dict:
+          report: bool, rows=()) -> dict:
     """Refuse (UsageError, one line) a rerun or --report of `out` whose fixed settings differ
-    from the folder's, or whose grid asks for less than its summary holds; --report also needs
-    a folder with rows. paths: the --data and --policy paths as given (what a summary from
-    before run.json records of them). Returns the folder's run.json ({} when it has none)."""
+    from the folder's (its run.json; without one, its rows' labels and its summary), or whose
+    grid asks for less than its summary holds; --report also needs a folder with rows. paths:
+    the --data and --policy paths as given (what a summary from before run.json records of
+    them); rows: the folder's rows. Returns the folder's run.json ({} when it has none)."""
     if report and not out.is_dir():
         raise UsageError(f"--out {str(out)!r}: no such run folder (--report summarizes the rows "
                          "of a run; it creates no folder)")
     if report and not any(read_rows(f, repair=False) for f in sorted(out.glob("samples*.jsonl"))):
         raise UsageError(f"--out {str(out)!r} holds no rows (samples*.jsonl) to report")
-    recorded = read_json(out / SETTINGS)
-    summary = read_json(out / "summary.json")
-    config = summary.get("config") if isinstance(summary.get("config"), dict) else {}
+    recorded = read_record(out)
+    summary = read_summary(out)
+    config = summary.get("config", {})
     if recorded:
-        diff = differences(recorded.get("settings", {}), fixed)
+        diff = differences(recorded["settings"], fixed)
     else:                                   # a folder from before run.json: its summary's word
         diff = differences(legacy_settings(config, legacy_defaults) if config else {},
-                           {**fixed, **paths})
+                           {**fixed, **paths}) or relabelled(rows, fixed)
     if diff:
         raise UsageError(f"{str(out)!r} holds rows of other settings: {'; '.join(diff)}; run "
                          "with the folder's settings, or give another --out")
@@ -169,6 +198,20 @@ def check(out: Path, fixed: dict, paths: dict, grid: dict, legacy_defaults: dict
                          f"({'; '.join(lacking)}): ask for at least that (a rerun computes only "
                          "what is missing), or give another --out")
     return recorded
+
+
+def relabelled(rows, fixed: dict) -> list:
+    """What the labels of rows made under other settings than `fixed` say of them ('--seed 0
+    (asked 1)'; their settings digest where seed and split agree); rows written before rows
+    carried labels are not checked here."""
+    mine = labels(fixed)
+    other = next((r for r in rows if "settings" in r and r["settings"] != mine["settings"]), None)
+    if other is None:
+        return []
+    named = [f"{FIXED[k]} {shown(other.get(k))} (asked {shown(mine[k])})"
+             for k in ("seed", "split") if other.get(k) != mine[k]]
+    return named or [f"settings {other['settings']} (asked {mine['settings']}; the folder has no "
+                     f"{SETTINGS} to name them)"]
 
 
 def lost(old: list, new: list) -> list:
@@ -192,11 +235,12 @@ def group(d: dict) -> tuple:
 
 
 def record(out: Path, recorded: dict, fixed: dict, grid: dict, code: str, adds_rows: bool,
-           had_rows: bool) -> str:
-    """Write run.json: the fixed settings, the union of the grid asked so far, and the code
+           had_rows: bool, wall_s: float = 0.0) -> str:
+    """Write run.json: the fixed settings, the union of the grid asked so far, the code
     version of each run that added rows (a folder that had rows before it had run.json starts
-    with "before run.json"). Returns a note to print when this run's code differs from the
-    code of the rows so far, else ""."""
+    with "before run.json") and wall_s, the seconds those runs took so far (`spent` adds this
+    run's). Returns a note to print when this run's code differs from the code of the rows so
+    far, else ""."""
     asked = recorded.get("asked", {})
     union = {k: list(dict.fromkeys([*asked.get(k, []), *grid[k]])) for k in GRID_LISTS}
     union.update({k: max(asked.get(k, 0), grid[k]) for k in GRID_COUNTS})
@@ -207,9 +251,83 @@ def record(out: Path, recorded: dict, fixed: dict, grid: dict, code: str, adds_r
             note = (f"note: {str(out)!r}: its rows so far come from code {codes[-1]}, this run "
                     f"adds rows from {code} ({SETTINGS} lists both)")
         codes.append(code)
-    body = {"format": FORMAT, "settings": fixed, "asked": union, "code": codes}
+    body = {"format": FORMAT, "settings": fixed, "asked": union, "code": codes,
+            "wall_s": round(wall_s, 1)}
     write_atomic(out / SETTINGS, json.dumps(body, indent=1) + "\n")
     return note
+
+
+def spent(out: Path, wall_s: float):
+    """Set run.json's wall_s: the seconds the runs that added the folder's rows took so far."""
+    body = json.loads((out / SETTINGS).read_text())
+    write_atomic(out / SETTINGS, json.dumps({**body, "wall_s": round(wall_s, 1)}, indent=1) + "\n")
+
+
+def wall(recorded: dict, out: Path):
+    """The seconds the folder's rows cost so far: run.json's wall_s; for a folder from before it
+    was recorded, its summary's (a number); else None."""
+    for value in (recorded.get("wall_s"), read_summary(out).get("config", {}).get("wall_s")):
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and \
+                math.isfinite(value):
+            return float(value)
+    return None
+
+
+@contextmanager
+def lock(out: Path):
+    """Hold the run folder `out` while the block runs: an exclusive, non-blocking flock on the
+    folder itself (no lock file). A folder another run holds is a UsageError; the kernel drops
+    the lock when the holder's process ends, killed or not, so a stale lock cannot exist."""
+    fd = os.open(out, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise UsageError(f"{str(out)!r} is in use by another run (one writer per run "
+                             "folder): wait until it ends, or give another --out") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_record(out: Path) -> dict:
+    """The folder's run.json as `record` writes it; {} when there is none; a one-line error
+    when it is anything else (an edit, a truncated copy), which would otherwise read as a
+    folder without settings and let a rerun relabel the rows."""
+    path = out / SETTINGS
+    if not path.is_file():
+        return {}
+    d = read_json(path)
+    settings, asked = d.get("settings"), d.get("asked")
+    fits = {"format": d.get("format") == FORMAT,
+            "settings": isinstance(settings, dict) and FIXED.keys() <= settings.keys(),
+            "asked": isinstance(asked, dict)
+            and all(isinstance(asked.get(k), list) for k in GRID_LISTS)
+            and all(isinstance(asked.get(k), int) for k in GRID_COUNTS),
+            "code": isinstance(d.get("code"), list)}
+    bad = [k for k, ok in fits.items() if not ok]
+    if bad:
+        raise UsageError(f"{str(path)!r} is not a run record of this code ({bad[0]!r} is missing "
+                         "or malformed): restore it, or give another --out")
+    return d
+
+
+def read_summary(out: Path) -> dict:
+    """The folder's summary.json as evaluate.py writes it ({"config": {...}, "rows": [...]});
+    {} when there is none; a one-line error when its config or rows are of another shape."""
+    path = out / "summary.json"
+    d = read_json(path)
+    config, rows = d.get("config", {}), d.get("rows", [])
+    ok = isinstance(config, dict) and isinstance(rows, list) \
+        and all(isinstance(r, dict) for r in rows) \
+        and all(isinstance(config.get(k, []), list) or config.get(k) is None
+                for k in GRID_LISTS) \
+        and all(isinstance(config.get(k, 0), int) for k in GRID_COUNTS)
+    if not ok:
+        raise UsageError(f"{str(path)!r} is not a summary of evaluate.py (a JSON object with "
+                         "'config' and a list of 'rows'): delete it (rerun or --report writes "
+                         "it again)")
+    return d
 
 
 def read_json(path: Path) -> dict:

@@ -5,9 +5,16 @@ A Hugging Face folder is `config.json`, `*.safetensors` (possibly sharded, with
 between such a folder and Python; model.py turns them into a network (`model.load`,
 `model.save`). The embedded default (SmolLM2-135M-Instruct) is converted once into such a folder
 by support/embedded.py, so the default and any real checkpoint are read the same way.
+
+A folder that cannot be read (a config that is not a LLaMA/Qwen3 one, a damaged tokenizer or
+weights file) is a one-line UsageError that says how to rebuild it. A converted folder records
+what its conversion wrote (RECORD: each file's size and sha256); every load compares the sizes
+(free: a truncated or half-copied file is refused before it is read), and model.load refuses
+weights that are not finite.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -15,11 +22,53 @@ from typing import Optional
 
 from support.errors import UsageError
 
+# what a conversion wrote, beside the files it describes: {"files": {name: {size, sha256}}}
+RECORD = "converted.json"
+
 
 def default_model_dir() -> Path:
-    """Where the embedded default lives in HF layout: $POLYKV_CACHE or ~/.cache/polykv."""
-    root = Path(os.environ.get("POLYKV_CACHE", "~/.cache/polykv")).expanduser()
+    """Where the embedded default lives in HF layout: $POLYKV_CACHE or ~/.cache/polykv. An empty
+    POLYKV_CACHE is unset (as XDG_CACHE_HOME is): `POLYKV_CACHE= cmd` uses ~/.cache/polykv,
+    never the working directory."""
+    root = Path(os.environ.get("POLYKV_CACHE") or "~/.cache/polykv").expanduser()
     return root / "SmolLM2-135M-Instruct"
+
+
+def rebuild(path: Path) -> str:
+    """How to rebuild a damaged model folder: a converted one (the embedded default) is deleted
+    and converted again on the next run; any other is fetched or saved again."""
+    if (path / RECORD).is_file() or path.absolute() == default_model_dir().absolute():
+        return f"delete {str(path)!r} and rerun: the embedded model is converted again (once)"
+    return "fetch or save the checkpoint again"
+
+
+def record_files(path: Path):
+    """Write RECORD: the size and sha256 of every file of the folder (after a conversion)."""
+    files = {}
+    for f in sorted(p for p in path.iterdir() if p.is_file() and p.name != RECORD):
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 24):
+                h.update(chunk)
+        files[f.name] = {"size": f.stat().st_size, "sha256": h.hexdigest()}
+    (path / RECORD).write_text(json.dumps({"files": files}, indent=1) + "\n")
+
+
+def check_record(path: Path):
+    """The sizes RECORD lists, against the files (a folder without RECORD: nothing to check)."""
+    if not (path / RECORD).is_file():
+        return
+    try:
+        files = json.loads((path / RECORD).read_text())["files"]
+        sizes = {name: int(f["size"]) for name, f in files.items()}
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{str(path / RECORD)!r} is unreadable ({e}): {rebuild(path)}") from None
+    for name, size in sizes.items():
+        f = path / name
+        if not f.is_file() or f.stat().st_size != size:
+            now = f"{f.stat().st_size} bytes" if f.is_file() else "missing"
+            raise UsageError(f"{str(f)!r} is {now}, its conversion wrote {size} bytes: the folder "
+                             f"is damaged; {rebuild(path)}")
 
 
 def folder(path=None) -> Path:
@@ -36,23 +85,33 @@ def folder(path=None) -> Path:
         raise UsageError(f"{str(path)!r} has no *.safetensors weights")
     if not (path / "tokenizer.json").is_file():
         raise UsageError(f"{str(path)!r} has no tokenizer.json")
+    check_record(path)
     return path
 
 
 def read_config(path: Path) -> dict:
     try:
-        return json.loads((path / "config.json").read_text())
-    except json.JSONDecodeError as e:
-        raise UsageError(f"{str(path / 'config.json')!r} is not valid JSON: {e}")
+        d = json.loads((path / "config.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UsageError(f"{str(path / 'config.json')!r} is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise UsageError(f"{str(path / 'config.json')!r} is not a JSON object: not a Hugging "
+                         "Face config")
+    return d
 
 
 def read_weights(path: Path) -> dict:
     """Every shard's tensors by their Hugging Face names (the index only says which shard
     holds which tensor)."""
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     sd = {}
     for f in sorted(path.glob("*.safetensors")):
-        sd.update(load_file(str(f)))
+        try:
+            sd.update(load_file(str(f)))
+        except (OSError, SafetensorError) as e:
+            raise UsageError(f"cannot read the weights {str(f)!r} ({e}): the file is damaged "
+                             f"or not a safetensors file; {rebuild(path)}") from None
     return sd
 
 
@@ -126,12 +185,22 @@ class Tokenizer:
 
     def __init__(self, path: Path, bos_id: Optional[int] = None, eos_ids=()):
         from tokenizers import Tokenizer as _Tok
-        self.tok = _Tok.from_file(str(path))
+        folder = Path(path).parent
+        try:
+            self.tok = _Tok.from_file(str(path))
+        except Exception as e:          # the tokenizers library raises a bare Exception
+            raise UsageError(f"cannot read the tokenizer {str(path)!r} ({e}); "
+                             f"{rebuild(folder)}") from None
         self.bos_id = bos_id
         self.eos_ids = set(eos_ids)
         self.eos_id = tuple(eos_ids)[0] if eos_ids else None
         cfg = Path(path).with_name("tokenizer_config.json")
-        self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        try:
+            self.config = json.loads(cfg.read_text()) if cfg.is_file() else {}
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UsageError(f"{str(cfg)!r} is not valid JSON ({e}); {rebuild(folder)}") from None
+        if not isinstance(self.config, dict):
+            raise UsageError(f"{str(cfg)!r} is not a JSON object; {rebuild(folder)}")
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         # the tokenizer's own post-processor decides about BOS (Llama-3 adds it, SmolLM2 does not)

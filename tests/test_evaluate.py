@@ -96,9 +96,10 @@ def test_fullkv_fidelity_is_exact_and_interrupted_run_resumes(
     want = report.summarize(
         kept, names, [24, 48], H.baselines(), [n for n in names if n.startswith("polykv")]
     )
+    # a folder that never recorded its wall time: the seconds its rows record (a lower bound)
     assert (
         got["rows"] == [{**d, "protocol": "prompt"} for d in want]
-        and got["config"]["wall_s"] is None
+        and got["config"]["wall_s"] == round(E.rows_cost(kept), 1)
     )
     assert got["config"]["prompts"] == "1 of 4 (--report)"
     assert len((tmp_path / "c" / "samples.jsonl").read_text().splitlines()) == len(part)
@@ -244,6 +245,157 @@ def test_a_folder_from_before_run_json_is_checked_against_its_summary(tiny_dir, 
     assert rec["settings"]["seed"] == 0
 
 
+def test_one_writer_per_folder_and_a_killed_runs_lock_blocks_nothing(tiny_dir, finished,
+                                                                     tmp_path):
+    """Two runs into one --out: while a process holds the folder (an flock on it, as a run
+    holds it while it appends), another run refuses in one line and writes nothing; once the
+    holder is killed (SIGKILL: no cleanup), the next run goes on and adds each row once."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    before = contents(out)
+    hold = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDONLY); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(600)")
+    holder = subprocess.Popen([sys.executable, "-c", hold, str(out)], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(M.UsageError, match=r" is in use by another run \(one writer per run "
+                                               r"folder\): wait until it ends, or give another"):
+            E.main(small(tiny_dir, out, "--fidelity-samples", "3"))
+        assert contents(out) == before
+    finally:
+        holder.kill()
+        holder.wait()
+    E.main(small(tiny_dir, out, "--fidelity-samples", "3"))
+    assert len(lines(out)) == len({json.loads(line)["key"] for line in lines(out)}) == 3 * 2
+
+
+def drop_record(out):
+    for name in ("run.json", "summary.json", "summary.md"):
+        (out / name).unlink()
+
+
+@pytest.mark.parametrize("damage, change, named", [
+    (lambda out: (out / "run.json").write_text(json.dumps(
+        {**json.loads((out / "run.json").read_text()), "settings": [1]})), ["--seed", "1"],
+     "is not a run record of this code ('settings' is missing or malformed)"),
+    (drop_record, ["--seed", "1"], "holds rows of other settings: --seed 0 (asked 1)"),
+    (drop_record, ["--split", "dev", "--report"], "holds rows of other settings: --split test "
+                                                  "(asked dev)"),
+    (drop_record, ["--cont-len", "6"], "holds rows of other settings: settings "),
+])
+def test_rows_that_lost_their_record_are_not_relabelled(tiny_dir, finished, tmp_path, damage,
+                                                         change, named):
+    """run.json edited into another shape, or run.json and the summary deleted: the rows still
+    say what made them (seed, split, a digest of every fixed setting), so a rerun or --report
+    with another seed, split or continuation refuses in one line, the folder as it was."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    damage(out)
+    before = contents(out)
+    with pytest.raises(M.UsageError) as e:
+        E.main(small(tiny_dir, out, *change))
+    assert named in str(e.value) and "\n" not in str(e.value)
+    assert contents(out) == before
+
+
+@pytest.fixture(scope="module")
+def answered(tiny_dir, tmp_path_factory):
+    """A finished small run of two needle prompts (answers generated and scored)."""
+    out = tmp_path_factory.mktemp("answered") / "run"
+    E.main(small(tiny_dir, out, "--tasks", "niah_single_1", "--length", "400", "--samples", "2",
+                 "--fidelity-samples", "0", "--max-new-tokens", "4"))
+    return out
+
+
+def without(field, line=1):
+    """An edit of a run folder: its rows' line `line` (0-based) without `field`."""
+    def edit(out):
+        rows = lines(out)
+        rows[line] = json.dumps({k: v for k, v in json.loads(rows[line]).items() if k != field})
+        (out / "samples.jsonl").write_text("\n".join(rows) + "\n")
+    return edit
+
+
+def middle_line(text):
+    def edit(out):
+        rows = lines(out)
+        rows[1] = text
+        (out / "samples.jsonl").write_text("\n".join(rows) + "\n")
+    return edit
+
+
+@pytest.mark.parametrize("folder, edit, extra, message", [
+    ("finished", middle_line("{}"), [], r"samples.jsonl:2: a row without key, method, budget, "),
+    ("finished", middle_line("{}"), ["--report"], r"samples.jsonl:2: a row without key, "),
+    ("finished", without("kv_fraction"), [], r"samples.jsonl:2: a row without kv_fraction; "),
+    ("finished", without("kl"), [], r"the row 'snapkv\|24\|fidelity\|120\|0' of '.*' lacks a "
+                                    r"finite kl: delete its line from samples\*.jsonl"),
+    ("answered", without("score"), ["--tasks", "niah_single_1", "--length", "400", "--samples",
+                                    "2", "--fidelity-samples", "0", "--max-new-tokens", "4"],
+     r"the row 'snapkv\|24\|niah_single_1\|400\|0' of '.*' lacks a finite score"),
+    ("finished", lambda out: (out / "summary.json").write_text('{"rows": 5}'), ["--report"],
+     r"summary.json' is not a summary of evaluate.py \(a JSON object with 'config' and a list "),
+])
+def test_a_row_that_lost_a_field_is_refused_never_summarized_over_fewer(
+        tiny_dir, request, tmp_path, folder, edit, extra, message):
+    """A row without a field every row has (a middle line `{}`, no kv_fraction), or without a
+    measure its prompt takes (a fidelity row's kl, a needle row's score), and a summary.json of
+    another shape: a rerun or --report refuses in one line, the folder as it was (before, it
+    raised KeyError, or rewrote the summary over one prompt fewer)."""
+    out = tmp_path / "run"
+    shutil.copytree(request.getfixturevalue(folder), out)
+    edit(out)
+    before = contents(out)
+    with pytest.raises(M.UsageError, match=message) as e:
+        E.main(small(tiny_dir, out, *extra))
+    assert "\n" not in str(e.value) and contents(out) == before
+
+
+def test_the_wall_time_of_the_rows_is_kept_across_resumes_and_reports(tiny_dir, finished,
+                                                                       tmp_path, capsys):
+    """A rerun with nothing to do and a --report keep the seconds the rows cost (summary.json's
+    wall_s, from run.json); a rerun that adds rows adds its own. The output folder is named on
+    a line of its own."""
+    out = tmp_path / "run"
+    shutil.copytree(finished, out)
+    for name in ("run.json", "summary.json"):
+        d = json.loads((out / name).read_text())
+        if name == "run.json":
+            d["wall_s"] = 447.8
+        else:
+            d["config"]["wall_s"] = 447.8
+        (out / name).write_text(json.dumps(d))
+
+    def wall():
+        return json.loads((out / "summary.json").read_text())["config"]["wall_s"]
+    E.main(small(tiny_dir, out))
+    assert wall() == 447.8 and f"output folder: {out}" in capsys.readouterr().out.splitlines()
+    E.main(small(tiny_dir, out, "--report"))
+    assert wall() == 447.8
+    E.main(small(tiny_dir, out, "--fidelity-samples", "3"))
+    assert wall() > 447.8 and json.loads((out / "run.json").read_text())["wall_s"] == wall()
+
+
+def test_a_prompt_whose_logits_or_measures_are_not_finite_writes_nothing(tiny_dir, tmp_path):
+    """Finite weights whose logits overflow on a prompt (the LM head at 1e38), or whose
+    measures do (the final norm at 1e38: ΔNLL = inf − inf): one line naming the prompt, and
+    samples.jsonl never holds a bare NaN (strict JSON, nothing of that prompt)."""
+    for name, weight in (("head", "lm_head.weight"), ("norm", "norm.weight")):
+        folder = tmp_path / name
+        shutil.copytree(tiny_dir, folder)
+        m, _ = M.load(folder, device="cpu", dtype=torch.float32)
+        with torch.no_grad():
+            m.get_parameter(weight).fill_(1e38)
+        M.save(m, folder)
+        out = tmp_path / f"run-{name}"
+        with pytest.raises(M.UsageError, match=r"^fidelity #0: .* not (a )?finite") as e:
+            E.main(small(folder, out, "--dtype", "float32"))
+        assert "\n" not in str(e.value)
+        for line in (out / "samples.jsonl").read_text().splitlines():
+            json.loads(line, parse_constant=lambda c: pytest.fail(f"bare {c} in {line}"))
+
+
 @pytest.mark.parametrize("folder, argv", [
     ("results/long", ["--split", "test", "--threads", "1", "--budget", "64,128,512",
                       "--protocol", "prompt,context,agnostic", "--methods",
@@ -353,6 +505,30 @@ def test_paired_bootstrap_known_cases():
     assert "| 64 | snapkv | 50.0 | " in md                           # a constant score: no ± part
     assert "polykv @ 64, gap recovered on fidelity_kl: +8.9%" in md
     assert "polykv -0.02 [-0.02, -0.02]" in md and " tie" in md
+
+
+def test_gap_recovered_needs_a_gap_and_the_best_uniform_is_named_by_its_row():
+    """The lines under the table name the best uniform by its row (`kvzip`, the head-wise
+    allocation, beside its own `kvzip-uniform`) and say why there is no gap recovered instead
+    of a ratio over a gap near zero: FullKV and the best tie (the score), or their gap (KL
+    0.0045) is smaller than PolyKV's own interval against the best (±0.15 or so)."""
+    kl = {"full": lambda i: 0.0, "kvzip-uniform": spread,
+          "kvzip": lambda i: 0.004 + 0.001 * (i % 2), "polykv": lambda i: 0.3 * (i % 2)}
+    score = {"full": lambda i: 100, "kvzip-uniform": lambda i: 100, "kvzip": lambda i: 100,
+             "polykv": lambda i: 50}
+    names = list(kl)
+    summary = report.summarize(fake_rows(kl, score), names, [64], E.baselines(), ["polykv"])
+    md = report.table(summary, names, [64], ["niah_single_1"])
+    assert "B = 64, fidelity KL minus the best uniform (row kvzip), paired 95 % CI: " in md
+    gap = {line.split(": ")[0]: line for line in md.splitlines() if " gap recovered on " in line}
+    kl_line = gap["polykv @ 64, gap recovered on fidelity_kl"]
+    assert kl_line.startswith("polykv @ 64, gap recovered on fidelity_kl: n/a: the gap to recover "
+                              "(full − kvzip -0.0045 [")
+    assert "is smaller than polykv's own interval against it (±" in kl_line and "%" not in kl_line
+    assert gap["polykv @ 64, gap recovered on niah_single_1_string_match_all"] == (
+        "polykv @ 64, gap recovered on niah_single_1_string_match_all: n/a: FullKV and the best "
+        "uniform (row kvzip-uniform) tie (full − kvzip-uniform +0 [+0, +0]), no gap to recover")
+    assert all(line.count("best uniform") == 1 for line in gap.values())
 
 
 def test_leaders_known_cases():
@@ -473,13 +649,16 @@ def test_calibration_beyond_the_window_and_report_under_torchrun_stop_before_any
 ):
     out = tmp_path / "a"
     out.mkdir()
-    (out / "samples.jsonl").write_text('{"key": "kept"}\n')
+    kept = json.dumps({"key": "kept", "method": "full", "budget": 24, "task": "fidelity",
+                       "length": 120, "index": 9, "n_tokens": 120, "kv_fraction": 1.0,
+                       "compress_s": 0.0, "prefill_s": 0.0}) + "\n"
+    (out / "samples.jsonl").write_text(kept)
     with pytest.raises(
         M.UsageError,
         match=r"^calibration prompts of 1000 \(\+64\) tokens exceed the model's " r"maximum 1024$",
     ):
         run(tiny_dir, out, "--calibration-length", "1000")
-    assert (out / "samples.jsonl").read_text() == '{"key": "kept"}\n' and [
+    assert (out / "samples.jsonl").read_text() == kept and [
         f.name for f in out.iterdir()
     ] == ["samples.jsonl"]
     # no PolyKV row: no check

@@ -601,13 +601,18 @@ def test_embedded_folder_is_complete_and_prompted_raw(embedded):
     assert "chat_template" not in config and not tok.has_chat_template
 
 
+# why the transformers check skips where transformers is absent (`pytest -rs` prints it)
+NO_TRANSFORMERS = ("transformers is not installed: it is optional, never a dependency (not in "
+                   "requirements.txt); `pip install transformers` runs this check")
+
+
 @pytest.mark.embedded
-def test_embedded_folder_loads_in_transformers(embedded):
+def test_embedded_folder_loads_in_transformers(request):
     """transformers (when installed; never a dependency) reads the converted folder as it reads
     SmolLM2-135M-Instruct's own: the GGUF's special tokens, the same token ids as ours, the
     instruct model's chat template; this project's tokenizer applies no template to it."""
-    transformers = pytest.importorskip("transformers")
-    _, tok = embedded
+    transformers = pytest.importorskip("transformers", reason=NO_TRANSFORMERS)
+    _, tok = request.getfixturevalue("embedded")      # (loaded only where transformers is)
     folder = model.default_model_dir()
     hf = transformers.AutoTokenizer.from_pretrained(folder)
     assert (hf.bos_token, hf.eos_token, hf.unk_token, hf.pad_token) == \
@@ -619,6 +624,15 @@ def test_embedded_folder_loads_in_transformers(embedded):
     assert chat.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
     assert not tok.has_chat_template
     assert json.loads((folder / "generation_config.json").read_text())["eos_token_id"] == 2
+
+
+def test_the_transformers_check_says_why_it_skips(monkeypatch):
+    """Where transformers is not installed, its check skips saying so (`pytest -rs` prints it),
+    before the embedded model is loaded."""
+    monkeypatch.setitem(sys.modules, "transformers", None)          # as if it were not installed
+    with pytest.raises(pytest.skip.Exception, match="^transformers is not installed: it is "
+                                                    "optional, never a dependency"):
+        test_embedded_folder_loads_in_transformers(None)
 
 
 def test_forks_append_independently_through_the_buffer():

@@ -13,7 +13,6 @@ import model as M
 from engine import oracle
 from support import checkpoint, tasks
 import polykv as P
-import baselines as BL
 
 ROOT = Path(__file__).resolve().parent.parent
 GOLDEN = Path(__file__).resolve().parent / "golden"
@@ -105,6 +104,33 @@ def test_dump_compare_round_trip_and_perturbed_unit(tiny, tmp_path):
     assert [(u["layer"], u["head"]) for u in res["bad"]] == [(0, 1)] and res["bad"][0][
         "bias_err"
     ] == 0.5
+
+
+def test_files_of_other_probes_or_decode_steps_cannot_be_compared(tiny, tmp_path, capsys):
+    """Two files of one prompt and method dumped with other --probes or --decode: `compare`
+    exits 2 with one line, "cannot compare" (not a FAIL: a script must not read it as one);
+    the verdict line names each file's conventions."""
+    from support import cli
+    x = torch.randint(1, 128, (1, 90), generator=torch.Generator().manual_seed(3))
+    method = oracle.make_method("tova", 24, tiny.config.n_layers)
+    for name, probes, decode in (("a", 4, 3), ("p", 2, 3), ("d", 4, 1)):
+        t, h = oracle.dump(tiny, x, method, "tova", 24, n_probe=probes, n_decode=decode)
+        oracle.write(tmp_path / name, t, {**h, "conventions": "paper"})
+
+    def compare(b):
+        """(exit status, stdout, stderr) of `oracle.py compare a b`."""
+        with pytest.raises(SystemExit) as e:
+            cli.run(lambda: oracle.main(["compare", str(tmp_path / "a"), str(tmp_path / b)]))
+        out, err = capsys.readouterr()
+        return e.value.code, out, err
+    for other, what in (("p", "has 4 probe queries (--probes)"),
+                        ("d", "has 3 decode steps (--decode)")):
+        status, _, err = compare(other)
+        assert status == 2 and len(err.strip().splitlines()) == 1, err
+        assert err.startswith("error: cannot compare: ") and what in err
+    status, out, _ = compare("a")
+    assert status == 0 and out.startswith("tova B=24 (paper conventions) vs tova B=24 (paper "
+                                          "conventions): 4/4 (layer, KV head) units agree")
 
 
 def test_cli_dump_compare_exit_codes(tmp_path):

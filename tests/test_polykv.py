@@ -12,7 +12,6 @@ from engine.observe import causal_probs
 from model import UsageError
 from conftest import REPEAT, tiny as tiny_llama
 from engine import observe as OB
-import baselines as BL
 
 # small enough for tiny prompts
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=3, repeat=REPEAT)

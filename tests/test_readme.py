@@ -65,3 +65,20 @@ def test_this_code_prints_the_samples_table_from_its_rows(tmp_path, embedded):
     assert len(table) >= 3
     for line in table:
         assert line in printed, f"--report does not print: {line}"
+
+
+def test_ci_runs_the_readmes_test_command_and_says_why_tests_skip():
+    """.ci/run's pytest line is the README's test command, which prints the reason of every
+    skip (-rs): a bare "1 skipped" says nothing."""
+    documented = re.search(r"## Test\n\n```bash\n(.*?)\n```", (ROOT / "README.md").read_text(),
+                           re.S).group(1)
+    ci = [line for line in (ROOT / ".ci" / "run").read_text().splitlines()
+          if line.startswith("python -m pytest")]
+    assert ci == [documented] and "-rs" in documented.split()
+
+
+def test_the_readmes_reference_files_are_ignored_by_git():
+    """The files the README's oracle example writes into the repository stay out of commits."""
+    outs = sorted(set(re.findall(r"--out (\S+\.safetensors)", (ROOT / "README.md").read_text())))
+    r = subprocess.run(["git", "check-ignore", *outs], cwd=ROOT, capture_output=True, text=True)
+    assert len(outs) == 3 and sorted(r.stdout.split()) == outs

@@ -11,7 +11,6 @@ import model as M
 import polykv as P
 from conftest import REPEAT, tiny as tiny_llama
 from engine import observe as OB
-import baselines as BL
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT)
 
