@@ -313,11 +313,16 @@ def main(argv=None):
     (lines, then a Markdown table),
     --leaders the leader of each measure and who ties it (lines, then a Markdown table);
     --before each method minus itself in another run of the same prompts (paired lines);
+    --with DIR: a run that pairs with another's rows (the same prompts, the other methods computed
+    there) reads that folder's per-sample rows of the methods it does not compute itself, by
+    key, never copied;
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
     import json
     ap = cli.ArgumentParser(description="Print the table of a finished run (its summary.json).")
     ap.add_argument("summary")
+    ap.add_argument("--with", dest="paired", action="append", default=[], metavar="DIR",
+                    help="another run folder whose per-sample rows this run pairs with (by key)")
     ap.add_argument("--methods", default=None,
                     help="comma list of the run's methods (default: all)")
     ap.add_argument("--budgets", type=cli.int_list, default=None,
@@ -373,6 +378,7 @@ def main(argv=None):
                              "(samples*.jsonl)")
         samples = [r for f in files for r in read_rows(f, repair=False, need=ROW_KEY)
                    if protocol(r) == proto]
+        samples += paired_rows(a.paired, samples, proto)
         if a.versus and a.versus not in {r["method"] for r in samples}:
             raise UsageError(f"--versus {a.versus!r}: no such method in the per-sample rows")
         if a.versus:
@@ -400,6 +406,26 @@ def main(argv=None):
         every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
         plot(every if a.protocol is None else rows, names, Path(a.summary).parent,
              length=ratio_length(cfg))
+
+
+def paired_rows(folders, mine: list, proto: str) -> list:
+    """The per-sample rows of each folder in `folders` (another run of the same prompts) that
+    pair with this run's rows `mine`: of protocol `proto`, of a method this run does not compute
+    itself (its own rows, finished or not, are never mixed with another code's), under a key it
+    has not. The rows a run pairs with, read where they were computed, never copied."""
+    have = {r["key"] for r in mine}
+    own = {r["method"] for r in mine}
+    out = []
+    for folder in folders:
+        files = sorted(Path(folder).glob("samples*.jsonl"))
+        if not files:
+            raise UsageError(f"--with {folder!r}: no per-sample rows there (samples*.jsonl)")
+        for f in files:
+            for r in read_rows(f, repair=False, need=ROW_KEY):
+                if r["method"] not in own and r["key"] not in have and protocol(r) == proto:
+                    have.add(r["key"])
+                    out.append(r)
+    return out
 
 
 def run_config(d, path) -> dict:

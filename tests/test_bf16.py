@@ -38,7 +38,6 @@ import pytest
 import torch
 
 import baselines as BL
-import evaluate as E
 import gracekv as GK
 import model as M
 import polykv as P

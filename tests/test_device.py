@@ -14,7 +14,6 @@ import torch
 import baselines as BL
 import calibrate as C
 from engine import calibrate_joint as J
-import evaluate as E
 import gracekv as GK
 import model as M
 from engine import policy_cache as PC

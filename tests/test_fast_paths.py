@@ -10,7 +10,6 @@ from dataclasses import replace
 import pytest
 import torch
 
-import evaluate as E
 import gracekv as GK
 import gracekv_variants as V
 import model as M

@@ -535,7 +535,6 @@ def test_bad_input():
 
 
 def test_rows_with_settings_in_brackets():
-    import evaluate as E
     got = V.variant("gracekv-v1[seeds=64;hop_depths=(0.5, 1.0)]", 128)
     base = V.variant("gracekv-v1", 128)
     assert got.budget == 128 and got.settings.seeds == 64 and got.settings.hop_depths == (0.5, 1.0)

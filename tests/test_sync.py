@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, strategies as st
 from torch.overrides import TorchFunctionMode
 
-import evaluate as E
 import model as M
 import polykv as P
 from engine import fast_attention as FA

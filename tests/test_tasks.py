@@ -13,7 +13,6 @@ from collections import Counter
 
 import pytest
 
-import evaluate
 import model
 from support import checkpoint, tasks
 from engine import longbench, metrics, protocols
