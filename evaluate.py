@@ -77,11 +77,10 @@ import torch
 
 import baselines as BL
 import calibrate
-import gracekv
-import gracekv_variants
 import model as M
 import policy_cache
 import polykv as P
+from engine import gracekv_fast, gracekv_variants
 from support import checkpoint, cli, metrics, report, run_folder
 from support import longbench as LB
 from support import protocols as PR
@@ -150,7 +149,7 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None,
            memo=None) -> P.Method:
     """A method that needs no calibration, by its --methods name: FullKV or a registered rule
     (its own decode form, or `decode`), PyramidKV, a GraceKV row. settings: polykv.RuleSettings;
-    memo: GraceKV's per-prompt steps, shared by its rows (gracekv.context_memo)."""
+    memo: GraceKV's per-prompt steps, shared by its rows (engine.gracekv_fast.context_memo)."""
     s = settings or P.RuleSettings()
     if name == "pyramidkv":
         return P.Pyramid(budget, s)
@@ -235,7 +234,7 @@ class Methods:
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
-        self.memo = gracekv.context_memo()     # GraceKV's steps of the prompt at hand
+        self.memo = gracekv_fast.context_memo()     # GraceKV's steps of the prompt at hand
         # KVzip's prompt in this vocabulary
         self.settings = calibrate.with_prompt(P.RuleSettings(), tok)
 
