@@ -424,74 +424,7 @@ def node_statistics(units: Units, u, a, b, skip=None) -> dict:
             else torch.stack([row[name] for row in rows]) for name in rows[0]}
 
 
-# ====================================================== value flow and head weights (eqs. 9-11)
-
-
-def evidence_probes(
-    R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0
-) -> torch.Tensor:
-    """The evidence probes per layer (L, m), indices into the strided queries: the first
-    m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
-    StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
-    if not s.evidence or not slots:
-        return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
-    # (L, Tc)
-    R_layer = (
-        R.view(-1, G, R.shape[1])
-        .mean(1)
-        .index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)
-    )
-    # (L, K), one read
-    peaks = torch.stack([R_layer[:, a:b].amax(1) for a, b in slots], 1).tolist()
-    out, stride = [], s.evidence_stride
-    for peak in peaks:
-        best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
-        at = [(t - phase) // stride
-              for a, b in best for t in range(a + (phase - a) % stride, b, stride)]
-        out.append(at[:s.evidence])
-    return torch.tensor(out, dtype=torch.long, device=R.device)
-
-
-def probes(model, full: Cache, flow: Flow, dtype, ev: torch.Tensor, stride: int):
-    """Distortion probes per unit, g heads each: U (the last r tokens), then the evidence probes
-    ev (L, m): q (U, P, D), causal logits over every key lg (U, P, T), the rows' logsumexp
-    c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
-    cfg = model.config
-    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    # pos (T,)
-    r, pos, qs, lgs, probe_tokens = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
-    # U: the prompt's last r
-    last = torch.arange(full.next_pos - r, full.next_pos, device=pos.device)
-    for l, lc in enumerate(full.layers):
-        # (H, m, D)
-        evidence_q = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]
-        # (P,) the probes' positions
-        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)
-        q = torch.cat((flow.probes[l], evidence_q), 1).to(dtype).reshape(G, -1, D)  # (G, P, D)
-        lg = (q @ lc.k[0].to(dtype).transpose(1, 2)) / math.sqrt(D)  # (G, P, T)
-        lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
-        qs.append(q)
-        probe_tokens.append((at - pos[0]).expand(G, -1))              # token indices
-    lg = torch.cat(lgs)                                              # (U, P, T)
-    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(probe_tokens)
-
-
-def head_weights(model, full: Cache, lg, dtype, r: int) -> torch.Tensor:
-    """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
-    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads'
-    outputs)."""
-    cfg, omega = model.config, []
-    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    for l, lc in enumerate(full.layers):
-        lg_window = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
-        out = torch.softmax(lg_window, -1) @ lc.v[0, :, None].to(dtype)  # (G, g, r, D) outputs
-        # (dim, G, g, D)
-        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(dtype).view(-1, G, g, D)
-        a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
-        b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
-        omega.append((a * b).sqrt())
-    return torch.cat(omega)
-
+# ============================================ relevance (eqs. 9-10), probes, head weights (eq. 11)
 
 def relevance(model, full: Cache, flow: Flow, Tc: int, s: Settings, f: "Formulas"):
     """Eqs. 9-10 per unit: the first hop ŝ (x^0 over the context, normalised per unit), the
@@ -574,6 +507,71 @@ def seeded_hops(model, full: Cache, flow: Flow, s_hat, s: Settings):
     rows = hop_rows(model, full, flow, Tc, s.hop_forward)
     return propagate(unit_norm(s_hat.mean(0)), rows, s.seeds, s.hops, s.decay)
 
+
+def evidence_probes(
+    R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0
+) -> torch.Tensor:
+    """The evidence probes per layer (L, m), indices into the strided queries: the first
+    m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
+    StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
+    if not s.evidence or not slots:
+        return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
+    # (L, Tc)
+    R_layer = (
+        R.view(-1, G, R.shape[1])
+        .mean(1)
+        .index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)
+    )
+    # (L, K), one read
+    peaks = torch.stack([R_layer[:, a:b].amax(1) for a, b in slots], 1).tolist()
+    out, stride = [], s.evidence_stride
+    for peak in peaks:
+        best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
+        at = [(t - phase) // stride
+              for a, b in best for t in range(a + (phase - a) % stride, b, stride)]
+        out.append(at[:s.evidence])
+    return torch.tensor(out, dtype=torch.long, device=R.device)
+
+
+def probes(model, full: Cache, flow: Flow, dtype, ev: torch.Tensor, stride: int):
+    """Distortion probes per unit, g heads each: U (the last r tokens), then the evidence probes
+    ev (L, m): q (U, P, D), causal logits over every key lg (U, P, T), the rows' logsumexp
+    c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
+    cfg = model.config
+    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    # pos (T,)
+    r, pos, qs, lgs, probe_tokens = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
+    # U: the prompt's last r
+    last = torch.arange(full.next_pos - r, full.next_pos, device=pos.device)
+    for l, lc in enumerate(full.layers):
+        # (H, m, D)
+        evidence_q = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]
+        # (P,) the probes' positions
+        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)
+        q = torch.cat((flow.probes[l], evidence_q), 1).to(dtype).reshape(G, -1, D)  # (G, P, D)
+        lg = (q @ lc.k[0].to(dtype).transpose(1, 2)) / math.sqrt(D)  # (G, P, T)
+        lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
+        qs.append(q)
+        probe_tokens.append((at - pos[0]).expand(G, -1))              # token indices
+    lg = torch.cat(lgs)                                              # (U, P, T)
+    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(probe_tokens)
+
+
+def head_weights(model, full: Cache, lg, dtype, r: int) -> torch.Tensor:
+    """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
+    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads'
+    outputs)."""
+    cfg, omega = model.config, []
+    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    for l, lc in enumerate(full.layers):
+        lg_window = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
+        out = torch.softmax(lg_window, -1) @ lc.v[0, :, None].to(dtype)  # (G, g, r, D) outputs
+        # (dim, G, g, D)
+        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(dtype).view(-1, G, g, D)
+        a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
+        b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
+        omega.append((a * b).sqrt())
+    return torch.cat(omega)
 
 
 @dataclass
@@ -688,25 +686,6 @@ class Plan:
     slots: list = field(default_factory=list)     # [(a, b)] the context's slots
     # (len(steps) then, kind, node): popped, not affordable
     dropped: list = field(default_factory=list)
-
-
-def picture(plan: Plan, unit: int, Tc: int) -> list:
-    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
-    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
-    recent window (exact) is not drawn."""
-    nodes, row = plan.nodes, ["."] * Tc
-    mine = sorted((nodes[i].a, i) for i in plan.frontier if nodes[i].unit == unit)
-    leaves = {nodes[i].a for _, i in mine if nodes[i].n == 1}
-    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
-    for k, (_, i) in enumerate([e for e in mine if nodes[e[1]].n > 1]):
-        for t in range(nodes[i].a, nodes[i].b):
-            if not plan.floor[unit, t] and t not in leaves:
-                row[t] = letters[k % len(letters)]
-    for t in leaves:
-        row[t] = "x"
-    for t in plan.floor[unit].nonzero()[:, 0].tolist():
-        row[t] = "F"
-    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
 
 
 def extract_three(ctx, u, a, b, free, within):
@@ -896,6 +875,24 @@ def assemble(ctx, full: Cache, plan: Plan) -> Cache:
         layers.append(LayerCache.pack(heads))                                 # (1, 1, Σ_g S_g, ·)
     return Cache(layers, full.next_pos, full.last_logits)
 
+
+def picture(plan: Plan, unit: int, Tc: int) -> list:
+    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
+    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
+    recent window (exact) is not drawn."""
+    nodes, row = plan.nodes, ["."] * Tc
+    mine = sorted((nodes[i].a, i) for i in plan.frontier if nodes[i].unit == unit)
+    leaves = {nodes[i].a for _, i in mine if nodes[i].n == 1}
+    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
+    for k, (_, i) in enumerate([e for e in mine if nodes[e[1]].n > 1]):
+        for t in range(nodes[i].a, nodes[i].b):
+            if not plan.floor[unit, t] and t not in leaves:
+                row[t] = letters[k % len(letters)]
+    for t in leaves:
+        row[t] = "x"
+    for t in plan.floor[unit].nonzero()[:, 0].tolist():
+        row[t] = "F"
+    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
 
 
 # ============================================================================= the method
