@@ -330,13 +330,13 @@ class NodeView(NamedTuple):
     Tc: int                 # context tokens (a variant's global β reads it)
 
 
-def node_view(units: Units, j: int, tokens: list) -> NodeView:
-    """The rows of unit j at `tokens` (a non-empty ascending list)."""
-    t = torch.tensor(tokens, device=units.kr.device)                        # (n,)
+def node_view(units: Units, j: int, tokens) -> NodeView:
+    """The rows of unit j at `tokens` (n,) (non-empty, ascending; a tensor or a list)."""
+    t = torch.as_tensor(tokens, device=units.kr.device)                     # (n,)
     position = t.to(units.kr.dtype).mean().round() + units.p0               # p_v
     return NodeView(t, position, units.kr[j, t], units.k[j, t], units.v[j, t],
                     units.knorm[j, t], units.R[j, t], units.lg[j, t], units.q[j], units.c[j],
-                    units.qpos[j] >= tokens[-1], units.inv_freq, units.s.eps, units.Tc)
+                    units.qpos[j] >= t[-1], units.inv_freq, units.s.eps, units.Tc)
 
 
 def key_unrotated(node: NodeView) -> torch.Tensor:
@@ -389,10 +389,11 @@ def distortion(node: NodeView, key, log_m, val, s: Settings) -> tuple:
     return (w * D_u).sum(), (w * D_drop).sum()
 
 
-def node_tokens(units: Units, j: int, a: int, b: int, skip: int) -> list:
-    """The tokens of node [a, b) of unit j: the span minus the floor, minus token `skip`
+def node_tokens(units: Units, j: int, a: int, b: int, skip: int) -> torch.Tensor:
+    """The tokens (n,) of node [a, b) of unit j: the span minus the floor, minus token `skip`
     (−1: none; a candidate child of a variant's extraction leaves one out)."""
-    return [t for t in range(a, b) if not units.floor[j, t] and t != skip]
+    t = torch.arange(a, b, device=units.floor.device)                       # (b − a,)
+    return t[~units.floor[j, a:b] & (t != skip)]
 
 
 def node_statistics(units: Units, u, a, b, skip=None) -> dict:
@@ -406,7 +407,7 @@ def node_statistics(units: Units, u, a, b, skip=None) -> dict:
     for j, a_v, b_v, skip_v in zip(u.tolist(), a.tolist(), b.tolist(), skip):
         tokens = node_tokens(units, j, a_v, b_v, skip_v)
         zero = units.kr.new_zeros(())
-        if not tokens:
+        if len(tokens) == 0:
             rows.append(dict(unit=j, a=a_v, b=a_v, n=0, R=zero, D=zero, Ddrop=zero,
                              key=units.kr.new_zeros(D), val=units.kr.new_zeros(D), pos=0,
                              logm=zero))
@@ -416,7 +417,7 @@ def node_statistics(units: Units, u, a, b, skip=None) -> dict:
         log_m = f.multiplicity(node, key)                                   # eq. 7
         val = value(node, f.value_beta(node, s.beta))                       # eq. 7
         D_v, D_drop = distortion(node, key, log_m, val, s)                  # eq. 8
-        rows.append(dict(unit=j, a=tokens[0], b=tokens[-1] + 1, n=len(tokens),
+        rows.append(dict(unit=j, a=int(tokens[0]), b=int(tokens[-1]) + 1, n=len(tokens),
                          R=node.R.sum(), D=D_v if len(tokens) > 1 else zero, Ddrop=D_drop,
                          key=key, val=val, pos=int(node.position), logm=log_m))
     whole = ("unit", "a", "b", "n", "pos")                                  # integers

@@ -147,24 +147,24 @@ def test_prefill_of_the_paper_alone_equals_the_fast_prefill():
 
 @pytest.mark.embedded
 def test_embedded_model_at_2048_tokens_equals_the_paper_path(embedded):
-    """The embedded model (fp32), one 2,048-token prompt: `gracekv` at B = 128 and 512, and two
-    rows (gracekv-hole: the extraction with a hole; gracekv-v1: the first reading, its dense
-    flow, lookahead and floor) at B = 128, fast (the harness's: one shared observation, the
-    per-prompt memo) against the paper's path: the same kept sets, logits to fp32 rounding."""
+    """The embedded model (fp32), one 2,048-token prompt at B = 128: `gracekv` and the row
+    whose extraction leaves a hole (gracekv-hole), fast (the harness's: one shared observation
+    of both rows, the per-prompt memo) against the paper's path (one gracekv.observe: both rows
+    observe the paper's first hop): the same kept sets, logits to fp32 rounding. (Every row
+    at T = 256: test_every_row_equals_the_paper_path_at_T256.)"""
     m, tok = embedded
     ids, cont = TK.fidelity_text(tok, 2048, N, index=0)
     x, follow = torch.tensor([ids]), torch.tensor([cont])
     default = dict(GK.Settings().__dict__)
-    memo = GF.context_memo()
-    for name, budgets in (("gracekv", (128, 512)), ("gracekv-hole", (128,)),
-                          ("gracekv-v1", (128,))):
-        observed = GK.observe(m, x, *row(name, default))
-        for budget in budgets:
-            a = fast_cache(m, x, name, budget, default, memo)
-            b = paper_cache(m, x, name, budget, default, observed)
-            for la, lb in zip(a.layers, b.layers):
-                assert torch.equal(la.pos, lb.pos) and torch.equal(la.head, lb.head), name
-                torch.testing.assert_close(la.bias, lb.bias, rtol=1e-3, atol=1e-4)
-            torch.testing.assert_close(M.decode(m, follow, a.fork()),
-                                       M.decode(m, follow, b.fork()), rtol=1e-3, atol=1e-3)
-        memo.clear()
+    names, budget = ("gracekv", "gracekv-hole"), 128
+    fast = [GF.fast(budget, *row(name, default), GF.context_memo(), V.FAST) for name in names]
+    full, obs = P.observe(m, x, P.union([method.needs(m) for method in fast], m.config.n_layers))
+    observed = GK.observe(m, x, *row("gracekv", default))
+    for name, method in zip(names, fast):
+        a = method.compress(m, full, obs)
+        b = paper_cache(m, x, name, budget, default, observed)
+        for la, lb in zip(a.layers, b.layers):
+            assert torch.equal(la.pos, lb.pos) and torch.equal(la.head, lb.head), name
+            torch.testing.assert_close(la.bias, lb.bias, rtol=1e-3, atol=1e-4)
+        torch.testing.assert_close(M.decode(m, follow, a.fork()), M.decode(m, follow, b.fork()),
+                                   rtol=1e-3, atol=1e-3)
