@@ -9,7 +9,7 @@ model, under every protocol):
   `Shared`, what a GraceKV row asks of that observation and how its Flow is read back.
 - `NodeStats`: eqs. 6-8 of many nodes at once (gathers of similar lengths, log-space sums, the
   probes' products per unit), for gracekv.node_statistics' node by node; each per-node formula
-  has its batched twin (`BATCHED`).
+  has its batched twin (`FAST`, which also names the streamed statistic of a first hop).
 - `allocate_prefetched`: the budget flow with the best splits evaluated ahead in batches, for
   gracekv.allocate's one action at a time (the same actions).
 - `context_memo`: the per-prompt steps (gracekv.context) remembered while several rows and
