@@ -6,23 +6,28 @@ is public. Every (layer, KV head) is a *unit* with a prototype tree over each sl
 context; adding a slot's root widens coverage, splitting an added node refines resolution, and
 all actions of all units compete for one budget. Read top to bottom, in the paper's order:
 
+ 0. Observation: one plain prefill; at each layer the attention A (model.attention_probs) gives
+    the probes (the last r queries), the first hop x = Σ_{u∈U} Ā[u, ·] and, at a few sampled
+    layers, the queries the multi-hop walks with.
  1. Budget (2): B entries per unit on average; the recent window of r tokens is kept exact and
     charged; B_alloc = U·B − U·r − B_floor goes to the greedy; T <= B is FullKV. Under the
     `context` protocol (engine/protocols.py) the prefix and question are exact and free.
  2. Slots (4)-(5): bends κ of the hidden-state trajectory over several layers and widths
-    (mean − λ_stab·std), robust z-scored, cut by dynamic programming into slots of 16..128.
- 3. Prototype trees and distortion (6)-(8): a node (n tokens) is one entry with key
-    k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), value
-    ṽ = Σ(R_t+β_v)v_t / Σ(R_t+β_v) with the node's own β_v = 0.1·mean_{t∈v} R_t, and
-    multiplicity m = clamp(n·ħ², 1, n) entering attention as the logit bias log m; its
-    distortion D for the probes (U and m queries of high-evidence slots), D(drop) for nothing.
+    (mean − λ_stab·std), robust z-scored into boundary scores b, cut by dynamic programming
+    into slots of 16..128.
+ 3. Prototype and distortion of ONE node (6)-(8): a node (n tokens) is one entry with key
+    k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t)), multiplicity m = clamp(n·ħ², 1, n)
+    entering attention as the logit bias log m, value ṽ = Σ(R_t+β_v)v_t / Σ(R_t+β_v) with the
+    node's own β_v = 0.1·mean_{t∈v} R_t; its distortion D for the probes (U and m queries of
+    high-evidence slots), D(drop) for nothing.
  4. Relevance (9)-(10): each unit's own first hop ŝ (what its query heads' probes attend to);
     seeds = the top tokens of the mean ŝ, propagated hop by hop along a few sampled layers'
     attention, chosen seeds removed at each hop, to d̂ (shared); R = (1−λ)ŝ + λd̂ per unit.
  5. Head weights ω per unit (11).
- 6. Budget flow (12)-(13): one max-heap over "add a slot root" (cost 1) and "split an added
-    node" — a bisection at the highest κ (2 children, cost 1) or the extraction of its top-R
-    token with both sides kept (3 children, cost 2) — by gain per entry.
+ 6. Budget flow (12)-(13), `allocate`: one max-heap over "add a slot root" (cost 1) and "split
+    an added node" — a bisection at the highest b (2 children, cost 1) or the extraction of
+    its top-R token with both sides kept (3 children, cost 2) — by gain per entry, popped one
+    action at a time.
  7. Singleton floor: exact tokens from the seeds, reserved before the competition.
  8. Cache assembly: a ragged cache (each unit exactly its entries); prototypes with bias log m.
 
@@ -30,16 +35,20 @@ Notation: T prompt tokens, r recent window, Tc = T − r context tokens, H query
 heads, g = H/G, D head dim, L layers, U = L·G units, P = g·(r + m) probes per unit, n tokens in
 a node; batch 1; at most U·B entries. [choice] marks where the paper is open (docs/gracekv.md,
 "Choices"). Each step calls the paper's function through `Formulas` (the method section, at the
-end); gracekv_variants.py builds the other rows, each replacing one function or setting (our
-earlier readings, ablations); the kernels never branch on them.
+end); engine/gracekv_variants.py builds the other rows, each replacing one function or setting
+(our earlier readings, ablations); the steps never branch on them.
+
+This module is the paper's naive computation, and runs alone (`GraceKV(budget).prefill(m, x)`).
+The engine's fast forms (engine/gracekv_fast.py: the shared observation's streamed statistic,
+the node statistics of many nodes at once, the budget flow with splits evaluated ahead, the
+per-prompt memo) are handed in as `GraceKV`'s fields, never imported here, and are tested equal
+to the forms they replace (tests/test_gracekv_fast.py).
 """
 from __future__ import annotations
 
-import functools
 import heapq
 import math
 from dataclasses import dataclass, field, replace
-from functools import cached_property
 from typing import Callable, NamedTuple, Optional
 
 import torch
@@ -49,7 +58,6 @@ import model as M
 import polykv
 from model import Cache, LayerCache
 from support.errors import UsageError
-from support.greedy import Last, batched_logits, by_length, prefetched_flow
 
 
 @dataclass(frozen=True)
@@ -70,18 +78,20 @@ class Settings:
     seeds: int = 128          # seeds per hop [choice: dev, docs/gracekv.md]
     hops: int = 2             # propagation hops [choice]
     decay: float = 0.5        # hop k weighs decay^(k−1) [choice]
-    hop_depths: tuple = (0.25, 0.5, 0.75)   # the sampled layers, as fractions of the depth [choice]
+    hop_depths: tuple = (0.25, 0.5, 0.75)   # the sampled layers, fractions of the depth [choice]
     # the hops' map: (1 − f)·what a token reads + f·who reads it [choice: dev]
     hop_forward: float = 0.5
     evidence: int = 32        # distortion probes also from high-evidence slots: this many per
-    evidence_stride: int = 4  # layer, every stride-th query of the slots of highest peak R [choice]
+    evidence_stride: int = 4  # layer, every stride-th query of the slots of top peak R [choice]
     beta: float = 0.1         # β_v = 0.1·mean_{t∈v} R_t (eq. 7)
     # φ: each unit its own top min(|seeds|, ⌊φ·(B − r)⌋) seeds [choice]
     floor_frac: float = 0.75
     # ε in ħ = ‖mean k°‖/(mean ‖k°‖ + ε) and in eq. 8's Z² + ε, ‖M‖² + ε
     eps: float = 1e-6
     log_rho_max: float = 20.0  # guard on log(Z̃/Z): D stays finite in fp32 for extreme logits
-    prefetch: int = 2048      # heap entries whose nodes are evaluated together (speed only)
+    # heap entries whose nodes are evaluated together: read by the engine's prefetched budget
+    # flow only (engine/gracekv_fast.py; speed only, the same actions)
+    prefetch: int = 2048
     def __post_init__(self):
         if min(self.window, self.slot_min, self.prefetch, self.seeds, self.evidence_stride) < 1:
             raise UsageError("window, slot_min, seeds, prefetch and evidence_stride must be >= 1")
@@ -107,95 +117,13 @@ def depths(fracs, L: int) -> list:
     return sorted({round(f * (L - 1)) for f in fracs})
 
 
-# =============================================================== observation: probes and value flow
-
-@dataclass(frozen=True)
-class ValueFlow:
-    """GraceKV's per-layer statistic of the shared prefill (polykv.Needs.extra): the probe
-    queries (the last r tokens); the first hop x_i = Σ_{u∈U} Ā[u, i] per KV head (Ā the
-    group-mean attention); the queries of the `sampled` layers, for the hop-wise propagation;
-    every stride-th query (positions 0, stride, ...), from which `context` draws the evidence
-    probes; the sampled layers' row log-normalisers lse_i, read off the pass's A at the row's
-    largest entry j*: lse_i = q_i·k_j*/√D − log A[i, j*] (no underflow: A[i, j*] ≥ 1/(i+1)).
-    Value per layer: (probes (H, r, D), x (1, G, T), queries (H, T, D), strided queries
-    (H, ⌈T/stride⌉, D), their phase 0, lse (H, T); None where not kept)."""
-    window: int = 32
-    sampled: tuple = ()
-    stride: int = 0           # 0: no evidence probes
-
-    def lowest(self, T: int, layer: int) -> int:
-        """The first query row read: every row of a sampled layer, else the last r."""
-        return 0 if layer in self.sampled else T - min(self.window, T)
-
-    def begin(self, q, lc, layer: int) -> dict:
-        T = q.shape[2]
-        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        r = min(self.window, T)
-        G = lc.k.shape[1]
-        sampled = layer in self.sampled
-        return {"x": q.new_zeros(self.flow_rows(), G, T, dtype=dtype),      # (rows, G, T)
-                "seed": (torch.arange(T, device=q.device) >= T - r).to(dtype),  # (T,) u ∈ U
-                "probes": q[0, :, T - r:].contiguous().clone(),              # (H, r, D)
-                "strided": q[0, :, ::self.stride].clone() if self.stride else None,
-                "queries": q[0].clone() if sampled else None,                # (H, T, D)
-                "k": lc.k[0],                                                # (G, T, D)
-                "lse": q.new_zeros(q.shape[1], T, dtype=dtype) if sampled else None}
-
-    def flow_rows(self) -> int:      # rows of x: the first hop alone
-        return 1
-
-    def add(self, state: dict, c0: int, c1: int, p):
-        """Query rows [c0, c1) with their attention p (1, H, c, c1)."""
-        G = state["x"].shape[1]
-        A = p[0].view(G, p.shape[1] // G, c1 - c0, c1).mean(1)        # (G, c, c1) group mean Ā
-        self.spread(state["x"], state["seed"], c0, c1, A)
-        if state["lse"] is not None:        # lse = logit − log A at the row's largest entry
-            top, j = p[0].max(-1)                                    # (H, c)
-            H = len(j)
-            q = state["queries"][:, c0:c1]                           # (H, c, D)
-            head_group = torch.arange(H, device=j.device)[:, None] * G // H
-            kj = state["k"][head_group, j]                           # (H, c, D) the keys j*
-            logit = (q.to(top) * kj.to(top)).sum(-1) / math.sqrt(q.shape[-1])
-            state["lse"][:, c0:c1] = logit - top.log()               # (H, c)
-
-    def spread(self, x, seed, c0: int, c1: int, A):
-        """x_i += Σ_{u ∈ rows ∩ U} Ā[u, i]: the first hop of the chunk's rows."""
-        prev = seed[c0:c1].expand(A.shape[0], -1)                    # (G, c)
-        x[0, :, :c1] += (prev[:, None, :] @ A)[:, 0]
-
-    def end(self, state: dict):
-        return state["probes"], state["x"], state["queries"], state["strided"], 0, state["lse"]
-
-    def cut(self, value, a: int, b: int):
-        """The value over keys a..b−1 alone (support/protocols.cut): the probes (the last r
-        queries) stay, x and the queries are sliced, the strided ones from the first in [a, b),
-        with a phase."""
-        probes, x, queries, strided, phase, lse = value
-        if strided is not None:
-            i0, i1 = (-(-(e - phase) // self.stride) for e in (a, b))
-            strided, phase = strided[:, i0:i1], i0 * self.stride + phase - a
-        queries = None if queries is None else queries[:, a:b]
-        lse = None if lse is None else lse[:, a:b]          # the whole prompt's normalisers
-        return probes, x[..., a:b], queries, strided, phase, lse
-
-    def merge(self, other: "ValueFlow") -> "ValueFlow":
-        """Rows sharing one pass: every sampled layer serves all; a subclass (a variant's
-        statistic) merges it in."""
-        if type(other) is not type(self) and isinstance(other, type(self)):
-            return other.merge(self)
-        if other.window != self.window:
-            raise UsageError(f"GraceKV rows observe with different windows: {self} vs {other}")
-        if other.stride != self.stride and min(self.stride, other.stride) > 0:
-            raise UsageError(f"GraceKV rows observe different evidence strides: {self} vs {other}")
-        sampled = tuple(sorted(set(self.sampled) | set(other.sampled)))
-        return replace(self, sampled=sampled, stride=max(self.stride, other.stride))
-
+# ============================================================== 0. observation: probes and flow
 
 @dataclass
 class Flow:
     """What GraceKV keeps from the full prefill, per layer (never a whole (H, T, T) map)."""
     window: int
-    probes: list = field(default_factory=list)  # [(H, r, D)] post-RoPE queries of the last r tokens
+    probes: list = field(default_factory=list)  # [(H, r, D)] post-RoPE queries, the last r tokens
     flow: list = field(default_factory=list)    # [(1, G, T)] x^0 = s, the first hop
     queries: list = field(default_factory=list)  # [(H, T, D) or None] the sampled layers' queries
     # [(H, ⌈T/stride⌉, D) or None] every stride-th query
@@ -206,28 +134,67 @@ class Flow:
     surprisal: Optional[torch.Tensor] = None
 
 
-def needs(s: "Settings", n_layers: int, statistic=ValueFlow) -> polykv.Needs:
-    """What GraceKV observes during the prefill: probes, first hop, the sampled layers' queries
-    (statistic: the class that records them, ValueFlow; a variant may extend it)."""
-    sampled = tuple(depths(s.hop_depths, n_layers))
-    stride = s.evidence_stride if s.evidence else 0
-    flow = statistic(s.window, sampled, stride)
-    return polykv.Needs(extra=(("flow", flow),), surprisal=s.lambda_s != 0)
+def first_hop(A_bar: torch.Tensor, r: int, s: Settings) -> torch.Tensor:
+    """Eq. 9's first hop of one layer, x_i = Σ_{u∈U} Ā[u, i] over the probe rows U (the last
+    r), Ā (G, T, T) the group-mean attention of each KV head's query heads: (1, G, T)."""
+    return A_bar[:, A_bar.shape[1] - r:].sum(1)[None]
 
 
-def flow_of(obs: polykv.Observation, window: int) -> Flow:   # the Flow of an observation
-    # per layer: probes .. lse
-    return Flow(window, *map(list, zip(*obs.extra["flow"])), obs.surprisal)
+def row_log_normalisers(q: torch.Tensor, q_pos: torch.Tensor, lc: LayerCache) -> torch.Tensor:
+    """lse_i = log Σ_{j visible to i} e^{q_i·k_j/√D + bias_j} of every query row of one layer
+    (H, T), with which the multi-hop rebuilds the rows of A it walks (`hop_rows`)."""
+    H, D = q.shape[1], q.shape[-1]
+    g = H // lc.k.shape[1]
+    dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    k = M.repeat_kv(lc.k, H)[0].to(dtype)                                       # (H, S, D)
+    bias = M.repeat_kv(lc.bias, H)[0].to(dtype)                                 # (H, S)
+    logits = q[0].to(dtype) @ k.transpose(1, 2) / math.sqrt(D) + bias[:, None]  # (H, T, S)
+    visible = M.visible_mask(q_pos, lc.pos)[0].repeat_interleave(g, 0)          # (H, T, S)
+    return logits.masked_fill(~visible, float("-inf")).logsumexp(-1)          # (H, T)
 
 
 @torch.no_grad()
-def observe(model, tokens, settings: Optional["Settings"] = None, chunk: int = 256,
-            statistic=ValueFlow):
-    """Full prefill of tokens (1, T) observing the probes and flow (chunk: query rows per pass)."""
-    s = settings or Settings()
-    wanted = replace(needs(s, model.config.n_layers, statistic), chunk=chunk)
-    full, obs = polykv.observe(model, tokens, wanted)
-    return full, flow_of(obs, s.window)
+def observe(model, tokens, settings: Optional[Settings] = None,
+            formulas: Optional["Formulas"] = None) -> tuple:
+    """The paper's observation, naive: one plain prefill of tokens (1, T) (model.prefill with a
+    post-kernel hook) reading each layer's whole attention A (H, T, T) = model.attention_probs:
+    the probes (the last r queries), the first hop (f.first_hop of the group-mean Ā), every
+    stride-th query (the evidence probes' candidates), and at the sampled layers (hop_depths)
+    every query and its row's log-normaliser; the surprisal from the final norm's output.
+    Returns (FullKV cache, Flow). engine/gracekv_fast.py reads the same in the shared
+    observation's query chunks (tested equal)."""
+    s, f = settings or Settings(), formulas or Formulas()
+    sampled = depths(s.hop_depths, model.config.n_layers)
+    stride = s.evidence_stride if s.evidence else 0
+    flow = Flow(s.window)
+
+    def post_kernel(layer, q, q_pos, lc, out):
+        T, G = q.shape[2], lc.k.shape[1]
+        r = min(s.window, T)
+        A = M.attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)[0]              # (H, T, T)
+        A_bar = A.view(G, A.shape[0] // G, T, T).mean(1)                       # (G, T, T)
+        flow.probes.append(q[0, :, T - r:].clone())                            # (H, r, D)
+        flow.flow.append(f.first_hop(A_bar, r, s))                             # (1, G, T)
+        flow.strided.append(q[0, :, ::stride].clone() if stride else None)
+        flow.phase.append(0)
+        flow.queries.append(q[0].clone() if layer in sampled else None)      # (H, T, D)
+        flow.lse.append(row_log_normalisers(q, q_pos, lc) if layer in sampled else None)
+
+    def final(h):                                    # the final norm's output (1, T, dim)
+        if s.lambda_s:
+            flow.surprisal = M.surprisal(model, h, tokens)                     # (1, T)
+    full = M.prefill(model, tokens, M.Hooks(post_kernel=post_kernel, final=final))
+    return full, flow
+
+
+# ================================================================================ budget (eq. 2)
+# B_total = U·B (B per unit = N_ctx/x); the window's U·r entries are charged; the floor's
+# B_floor = |E_floor|; B_alloc = B_total − U·r − B_floor goes to the greedy (eq. 3: a knapsack
+# with precedence, a node splits only once added, solved greedily by gain per entry, eq. 13).
+
+def budget_alloc(U: int, budget: int, r: int, B_floor: int) -> int:
+    """Eq. 2: B_alloc = U·B − U·r − B_floor."""
+    return U * (budget - r) - B_floor
 
 
 # ============================================================================= slots (eqs. 4-5)
@@ -312,26 +279,26 @@ def dp_slots(b: torch.Tensor, Tc: int, s: Settings) -> list:
     return list(zip(cuts[:-1], cuts[1:]))
 
 
-# ======================================================== prototype trees and distortion (eqs. 6-8)
-# A node = a span [a, b) of one unit (layer, KV head) minus its holes (floor tokens, tokens
-# extracted from its ancestors); `Units` holds what a node reads; `node_stats`: eqs. 6-8, batched.
+# ============================================== prototype and distortion of one node (eqs. 6-8)
+# A node = a span [a, b) of one unit (layer, KV head) minus the floor's tokens; `Units` holds what
+# a node reads. Each equation below is computed for ONE node, in plain tensor code;
+# `node_statistics` runs them node by node (the engine hands in a batched form, tested equal).
 
 @dataclass
 class Units:
-    """The per-unit tensors a prototype is made from, stacked over units j = l·G + g; every
-    (U, Tc+1, ·) tensor has a sentinel row Tc (zeros, or −inf for logits) that gathers read."""
-    kr: torch.Tensor      # (U, Tc+1, D) un-rotated context keys k° = RoPE⁻¹(k_t, t)
-    v: torch.Tensor       # (U, Tc+1, D) values
-    knorm: torch.Tensor   # (U, Tc+1) ‖k°_t‖
-    lg: torch.Tensor      # (U, Tc+1, P) log A[u, t]: probe logits − each row's logsumexp
+    """The per-unit tensors a prototype is made from, stacked over units j = l·G + g."""
+    kr: torch.Tensor      # (U, Tc, D) un-rotated context keys k° = RoPE⁻¹(k_t, t)
+    v: torch.Tensor       # (U, Tc, D) values
+    knorm: torch.Tensor   # (U, Tc) ‖k°_t‖
+    lg: torch.Tensor      # (U, Tc, P) log A[u, t]: probe logits − each row's logsumexp
     q: torch.Tensor       # (U, P, D) probe queries
     c: torch.Tensor       # (U, P) probe rows' logsumexp
-    R: torch.Tensor       # (U, Tc+1) relevance R_t of each unit's tokens; Σ_t R = 1
-    hole: torch.Tensor    # (U, Tc) tokens later nodes leave out: the floor, then extracted leaves
+    R: torch.Tensor       # (U, Tc) relevance R_t of each unit's tokens; Σ_t R = 1
+    floor: torch.Tensor   # (U, Tc) tokens no node holds: the singleton floor's exact tokens
     inv_freq: torch.Tensor
     s: object             # Settings (β, ε, λ_Z, λ_M, log ρ cap)
     f: object             # Formulas (the key, multiplicity and β of a node)
-    k: torch.Tensor       # (U, Tc+1, D) post-RoPE context keys k_t, the cache's own
+    k: torch.Tensor       # (U, Tc, D) post-RoPE context keys k_t, the cache's own
     # (U, P) the probes' token indices: a probe reads nodes ending at or before it
     qpos: torch.Tensor
     # the position of token 0 (> 0 when a protocol cuts the prompt's prefix off)
@@ -339,200 +306,123 @@ class Units:
 
     @property
     def Tc(self) -> int:
-        return self.kr.shape[1] - 1
+        return self.kr.shape[1]
 
 
-class Span:
-    """What a node's formulas read, for a batch of N nodes of at most n tokens: rows(x) gathers
-    a (U, Tc+1, ·) tensor as (N, n, ·), zeros outside each node; nf (N,) token counts, p (N,)
-    rounded mean positions, mask (N, n) the node's tokens (1.0), Rt (N, n) their relevance;
-    once the key is made, qk (N, P) = q_u·k̃/√D − c_u and
-    logZ (N, P) = log Σ_{t∈v} A[u, t]."""
-
-    def __init__(self, units, rows, nf, p, mask, Rt):
-        self.units, self.rows, self.nf, self.p, self.mask, self.Rt = units, rows, nf, p, mask, Rt
-        self.qk = self.logZ = None
-
-    @cached_property
-    def kbar(self) -> torch.Tensor:
-        return self.rows(self.units.kr).sum(1) / self.nf[:, None]            # mean k°  (N, D)
-
-
-def key_unrotated(span: Span) -> torch.Tensor:
-    """Eq. 6: k̃ = RoPE(mean_t RoPE⁻¹(k_t, t), round(mean t))."""
-    return M.apply_rope(span.kbar, span.p, span.units.inv_freq)
+class NodeView(NamedTuple):
+    """What eqs. 6-8 read of ONE node of unit j: its n tokens t ∈ I_v and their rows."""
+    tokens: torch.Tensor    # (n,) token indices, ascending
+    position: torch.Tensor  # () p_v = round(mean_{t∈I_v} t), as a position (+ p0)
+    kr: torch.Tensor        # (n, D) k°_t
+    k: torch.Tensor         # (n, D) k_t, post-RoPE
+    v: torch.Tensor         # (n, D) v_t
+    knorm: torch.Tensor     # (n,) ‖k°_t‖
+    R: torch.Tensor         # (n,) R^tok_t (eq. 10)
+    lg: torch.Tensor        # (n, P) log A[u, t] = q_u·k_t/√D − c_u
+    q: torch.Tensor         # (P, D) the unit's probes q_u
+    c: torch.Tensor         # (P,) their rows' logsumexp c_u
+    seen: torch.Tensor      # (P,) bool: probe u sits at or after the node's last token
+    inv_freq: torch.Tensor
+    eps: float
+    Tc: int                 # context tokens (a variant's global β reads it)
 
 
-def multiplicity_hbar(span: Span) -> torch.Tensor:
-    """Eq. 7: ħ = ‖mean k°‖ / (mean ‖k°‖ + ε), m = clamp(n·ħ², 1, n); returns
-    log m (N,)."""
-    nf = span.nf
-    hbar = span.kbar.norm(dim=-1) / (span.rows(span.units.knorm).sum(1) / nf + span.units.s.eps)
-    return (nf * hbar ** 2).clamp(min=1).minimum(nf).log()
+def node_view(units: Units, j: int, tokens) -> NodeView:
+    """The rows of unit j at `tokens` (n,) (non-empty, ascending; a tensor or a list)."""
+    t = torch.as_tensor(tokens, device=units.kr.device)                     # (n,)
+    position = t.to(units.kr.dtype).mean().round() + units.p0               # p_v
+    return NodeView(t, position, units.kr[j, t], units.k[j, t], units.v[j, t],
+                    units.knorm[j, t], units.R[j, t], units.lg[j, t], units.q[j], units.c[j],
+                    units.qpos[j] >= t[-1], units.inv_freq, units.s.eps, units.Tc)
 
 
-def beta_local(span: Span, beta: float) -> torch.Tensor:
-    """Eq. 7: each node its own β_v = beta·mean_{t∈v} R_t (N,)."""
-    return beta * (span.Rt * span.mask).sum(1) / span.nf
+def key_unrotated(node: NodeView) -> torch.Tensor:
+    """Eq. 6: k̃_v = RoPE(mean_{t∈I_v} k°_t, p_v) with k°_t = RoPE⁻¹(k_t, t) (D,)."""
+    return M.apply_rope(node.kr.mean(0), node.position, node.inv_freq)
 
 
-def distortion(logZ, Z2, mu2, muv, logZp, v2, s):
-    """Eq. 8: D and D(drop) of nodes (N,) for their probes u (N, P), each probe in its own
-    max-subtracted scale (its largest term over the node's tokens is e^0 = 1, so Z_u >= 1):
-    Z_u = Σ_t e^{q_u·k_t/√D − max}, M_u = Σ_t e^{q_u·k_t/√D − max} v_t,
-    Z̃_u = m e^{q_u·k̃/√D − max}, M̃_u = Z̃_u ṽ,
-    D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε).
-    Computed from Z_u² (Z2), μ = M/Z (‖μ‖² mu2, ⟨μ, ṽ⟩ muv), ‖ṽ‖² (v2, (N,))
-    and ρ = Z̃/Z = exp(logZp − logZ), so that no exponential of a raw logit is taken:
-    (Z − Z̃)² = Z²(1 − ρ)², ‖M − M̃‖² = Z²‖μ − ρṽ‖²,
-    ‖M‖² = Z²‖μ‖². D(drop): Z̃ = 0, M̃ = 0. D(I_v) = Σ_u w_u D_u with w_u ∝ the
-    attention mass u pays the node, exp(logZ) = Σ_{t∈v} A[u, t]. log ρ <= log_rho_max (a
-    guard: it binds only where (1 − ρ)² > e^40, past fp32's range)."""
-    rho = (logZp - logZ).clamp(max=s.log_rho_max).exp()                     # (N, P) Z̃/Z
-    err = (mu2 - 2 * rho * muv + rho ** 2 * v2[:, None]).clamp(min=0)        # ‖μ − ρṽ‖²
-    Du = (s.lambda_z * Z2 * (1 - rho) ** 2 / (Z2 + s.eps)
-          + s.lambda_m * Z2 * err / (Z2 * mu2 + s.eps))
-    Ddrop = s.lambda_z * Z2 / (Z2 + s.eps) + s.lambda_m * Z2 * mu2 / (Z2 * mu2 + s.eps)
-    w = torch.softmax(logZ, -1)                                               # (N, P) mass weights
-    return (w * Du).sum(-1), (w * Ddrop).sum(-1)
+def multiplicity_hbar(node: NodeView, key: torch.Tensor) -> torch.Tensor:
+    """Eq. 7: ħ_v = ‖mean k°_t‖ / (mean ‖k°_t‖ + ε), m_v = clamp(n·ħ_v², 1, n); returns
+    log m_v, the prototype's logit bias (key: unused by the paper's m)."""
+    n = len(node.tokens)
+    hbar = node.kr.mean(0).norm() / (node.knorm.mean() + node.eps)
+    return (n * hbar ** 2).clamp(min=1, max=n).log()
 
 
-def node_stats(units: Units, unit, a, b, skip=None) -> dict:
-    """Tightened spans, n, R, D, D(drop) and prototype (key, value, pos, log m) of nodes
-    [a, b) of units `unit` (N,), minus the unit's holes and minus token `skip` (N,) (−1: none):
-    `_node_stats` over batches of similar lengths (support.greedy.by_length)."""
-    skip = torch.full_like(a, -1) if skip is None else skip
-    return by_length(functools.partial(_node_stats, units), (unit, a, b, skip), b - a,
-                     cap=max(1, (1 << 21) // units.lg.shape[2]))
+def beta_local(node: NodeView, beta: float) -> torch.Tensor:
+    """Eq. 7: the node's own β_v = beta·mean_{t∈I_v} R^tok_t."""
+    return beta * node.R.mean()
 
 
-def _node_stats(units: Units, u, a, b, skip, n):
-    """node_stats for spans of at most n tokens: gathered as (N, n, ·) with a sentinel row."""
-    s, f, Tc = units.s, units.f, units.Tc
-    idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
-    mask = (idx < b[:, None]) & (idx != skip[:, None])
-    mask &= ~units.hole[u[:, None], idx.clamp(max=Tc - 1)]
-    idx_or_sentinel = idx.masked_fill(~mask, Tc)                              # Tc: the sentinel row
-    count = mask.sum(1)                                                       # (N,) tokens n
-    first = mask.to(torch.int8).argmax(1)
-    last = n - 1 - mask.flip(1).to(torch.int8).argmax(1)
-    nf = count.clamp(min=1).to(units.kr.dtype)
-    # rows of (U·(Tc+1), ·)
-    flat = (u[:, None] * (Tc + 1) + idx_or_sentinel).view(-1)
-
-    def rows(x):
-        """(U, Tc+1, ·) -> (N, n, ·), the sentinel row outside the node."""
-        return x.flatten(0, 1).index_select(0, flat).view(len(u), n, *x.shape[2:])
-    V = rows(units.v)                                                         # (N, n, D), 0 outside
-    # rounded mean position
-    p = ((idx * mask).sum(1) / nf).round() + units.p0
-    Rt = rows(units.R)                                                        # (N, n), 0 outside
-    span = Span(units, rows, nf, p, mask.to(Rt.dtype), Rt)
-    key = f.key(span)                                                         # k̃ (N, D), eq. 6
-    w = Rt + f.value_beta(span, s.beta)[:, None] * span.mask                  # R_t + β_v (N, n)
-    val = (w[..., None] * V).sum(1) / w.sum(1).clamp(min=1e-300)[:, None]     # ṽ
-    # (N, n, P), −inf outside
-    lg = rows(units.lg)
-    # (N, P) log-space shift: the largest logit of each probe over the node's tokens
-    lg_max = lg.amax(1).clamp(min=torch.finfo(lg.dtype).min)
-    # e = exp(lg − lg_max) ≤ 1, the largest term 1; exponents below −80 clamped:
-    # e ≥ 1.8e−35 in place of a denormal or 0 (the CPU's exp: up to 30× slower), which next
-    # to 1 vanishes from every sum
-    e = (lg - lg_max[:, None]).clamp_(min=-80.0).exp_()
-    Z = e.sum(1)                                                              # (N, P)
-    # unseen: weight 0
-    unseen = (a + last)[:, None] > units.qpos.index_select(0, u)
-    logZ = (Z.log() + lg_max).masked_fill(unseen, -1e30)
-    # a = e/Z: Z² may underflow
-    e /= Z[:, None]
-    n_probes, head_dim = e.shape[2], V.shape[2]
-    # short spans: ‖μ‖² = aᵀ(VVᵀ)a, n²·(D+P) per node
-    if n * (head_dim + n_probes) <= n_probes * head_dim:
-        mu2 = (e * (V @ V.transpose(1, 2) @ e)).sum(1)                         # (N, P)
-    else:                            # long spans: μ = aᵀV directly, n·P·D per node
-        mu2 = (e.transpose(1, 2) @ V).pow(2).sum(-1)                          # (N, P)
-    muv = (e * (V @ val[..., None])).sum(1)                                   # (N, P) ⟨μ, ṽ⟩
-    # (N, P) q_u·k̃/√D − c
-    qk = batched_logits(units.q, u, key) - units.c.index_select(0, u)
-    span.qk, span.logZ = qk, logZ
-    logm = f.multiplicity(span)                                               # log m (N,), eq. 7
-    logZp = logm[:, None] + qk                                # log Z̃ = log m + q·k̃/√D − c
-    D, Ddrop = distortion(logZ, Z.pow(2), mu2, muv, logZp, val.pow(2).sum(-1), s)
-    zero = torch.zeros((), dtype=D.dtype, device=D.device)
-    return dict(unit=u, a=a + first, b=a + last + 1, n=count, R=Rt.sum(1),
-                D=torch.where(count <= 1, zero, D),                          # a leaf is its token
-                Ddrop=torch.where(count == 0, zero, Ddrop), key=key, val=val, pos=p.long(),
-                logm=logm)
+def value(node: NodeView, beta_v: torch.Tensor) -> torch.Tensor:
+    """Eq. 7: ṽ_v = Σ_t (R^tok_t + β_v) v_t / Σ_t (R^tok_t + β_v) (D,) (the denominator kept
+    above 0 for a node of zero relevance and β)."""
+    w = node.R + beta_v                                                     # (n,)
+    return (w[:, None] * node.v).sum(0) / w.sum().clamp(min=1e-300)
 
 
-# ========================================================== value flow and head weights (eqs. 9-11)
+def distortion(node: NodeView, key, log_m, val, s: Settings) -> tuple:
+    """Eq. 8 for the probes u that read the node, each in its own max-subtracted scale
+    (ℓ_ut = log A[u, t], its largest over the node's tokens subtracted):
+    Z_u = Σ_t e^{ℓ_ut}, M_u = Σ_t e^{ℓ_ut} v_t, Z̃_u = m e^{q_u·k̃/√D − c_u}, M̃_u = Z̃_u ṽ,
+    D_u = λ_Z (Z_u − Z̃_u)²/(Z_u² + ε) + λ_M ‖M_u − M̃_u‖²/(‖M_u‖² + ε);
+    D(I_v) = Σ_u w_u D_u with w_u ∝ the attention mass u pays the node, Σ_{t∈v} A[u, t];
+    D^drop: the same with Z̃ = M̃ = 0. Z̃_u <= e^{log_rho_max}·Z_u (a guard that binds only
+    past fp32's range). Returns (D, D^drop), 0-dim."""
+    lg, q, c = node.lg[:, node.seen], node.q[node.seen], node.c[node.seen]  # (n, P'), (P', D)
+    shift = lg.amax(0)                                                      # (P',)
+    e = (lg - shift).exp()                                                  # (n, P')
+    Z = e.sum(0)                                                            # (P',) Z_u
+    M_u = e.T @ node.v                                                      # (P', D) M_u
+    qk = q @ key / math.sqrt(key.shape[-1]) - c                             # (P',)
+    log_Z_proto = (log_m + qk - shift).clamp(max=Z.log() + s.log_rho_max)
+    Z_proto = log_Z_proto.exp()                                             # (P',) Z̃_u
+    M_proto = Z_proto[:, None] * val                                        # (P', D) M̃_u
+    M2 = M_u.pow(2).sum(-1)                                                 # ‖M_u‖²
+    D_u = (s.lambda_z * (Z - Z_proto) ** 2 / (Z ** 2 + s.eps)
+           + s.lambda_m * (M_u - M_proto).pow(2).sum(-1) / (M2 + s.eps))
+    D_drop = s.lambda_z * Z ** 2 / (Z ** 2 + s.eps) + s.lambda_m * M2 / (M2 + s.eps)
+    w = torch.softmax(Z.log() + shift, 0)                   # ∝ Σ_{t∈v} A[u, t] = e^{shift}·Z_u
+    return (w * D_u).sum(), (w * D_drop).sum()
 
 
-def evidence_probes(
-    R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0
-) -> torch.Tensor:
-    """The evidence probes per layer (L, m), indices into the strided queries: the first
-    m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
-    StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
-    if not s.evidence or not slots:
-        return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
-    # (L, Tc)
-    R_layer = (
-        R.view(-1, G, R.shape[1])
-        .mean(1)
-        .index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)
-    )
-    # (L, K), one read
-    peaks = torch.stack([R_layer[:, a:b].amax(1) for a, b in slots], 1).tolist()
-    out, stride = [], s.evidence_stride
-    for peak in peaks:
-        best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
-        at = [(t - phase) // stride
-              for a, b in best for t in range(a + (phase - a) % stride, b, stride)]
-        out.append(at[:s.evidence])
-    return torch.tensor(out, dtype=torch.long, device=R.device)
+def node_tokens(units: Units, j: int, a: int, b: int, skip: int) -> torch.Tensor:
+    """The tokens (n,) of node [a, b) of unit j: the span minus the floor, minus token `skip`
+    (−1: none; a candidate child of a variant's extraction leaves one out)."""
+    t = torch.arange(a, b, device=units.floor.device)                       # (b − a,)
+    return t[~units.floor[j, a:b] & (t != skip)]
 
 
-def probes(model, full: Cache, flow: Flow, dtype, ev: torch.Tensor, stride: int):
-    """Distortion probes per unit, g heads each: U (the last r tokens), then the evidence probes
-    ev (L, m): q (U, P, D), causal logits over every key lg (U, P, T), the rows' logsumexp
-    c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
-    cfg = model.config
-    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    # pos (T,)
-    r, pos, qs, lgs, probe_tokens = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
-    # U: the prompt's last r
-    last = torch.arange(full.next_pos - r, full.next_pos, device=pos.device)
-    for l, lc in enumerate(full.layers):
-        # (H, m, D)
-        evidence_q = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]
-        # (P,) the probes' positions
-        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)
-        q = torch.cat((flow.probes[l], evidence_q), 1).to(dtype).reshape(G, -1, D)  # (G, P, D)
-        lg = (q @ lc.k[0].to(dtype).transpose(1, 2)) / math.sqrt(D)  # (G, P, T)
-        lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
-        qs.append(q)
-        probe_tokens.append((at - pos[0]).expand(G, -1))              # token indices
-    lg = torch.cat(lgs)                                              # (U, P, T)
-    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(probe_tokens)
+def node_statistics(units: Units, u, a, b, skip=None) -> dict:
+    """Eqs. 6-8 node by node, for nodes [a, b) of units u (N,) minus token skip (N,) (−1:
+    none): the span tightened to the node's first and last token, n, R(v) = Σ_t R^tok_t,
+    D, D^drop and the prototype (key, value, position, log m). A node of one token is that
+    token (D = 0); an empty node is all zeros (never added)."""
+    s, f, D = units.s, units.f, units.kr.shape[-1]
+    skip = [-1] * len(u) if skip is None else skip.tolist()
+    rows = []
+    for j, a_v, b_v, skip_v in zip(u.tolist(), a.tolist(), b.tolist(), skip):
+        tokens = node_tokens(units, j, a_v, b_v, skip_v)
+        zero = units.kr.new_zeros(())
+        if len(tokens) == 0:
+            rows.append(dict(unit=j, a=a_v, b=a_v, n=0, R=zero, D=zero, Ddrop=zero,
+                             key=units.kr.new_zeros(D), val=units.kr.new_zeros(D), pos=0,
+                             logm=zero))
+            continue
+        node = node_view(units, j, tokens)
+        key = f.key(node)                                                   # eq. 6
+        log_m = f.multiplicity(node, key)                                   # eq. 7
+        val = value(node, f.value_beta(node, s.beta))                       # eq. 7
+        D_v, D_drop = distortion(node, key, log_m, val, s)                  # eq. 8
+        rows.append(dict(unit=j, a=int(tokens[0]), b=int(tokens[-1]) + 1, n=len(tokens),
+                         R=node.R.sum(), D=D_v if len(tokens) > 1 else zero, Ddrop=D_drop,
+                         key=key, val=val, pos=int(node.position), logm=log_m))
+    whole = ("unit", "a", "b", "n", "pos")                                  # integers
+    return {name: torch.tensor([row[name] for row in rows], device=u.device) if name in whole
+            else torch.stack([row[name] for row in rows]) for name in rows[0]}
 
 
-def head_weights(model, full: Cache, lg, dtype, r: int) -> torch.Tensor:
-    """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
-    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads'
-    outputs)."""
-    cfg, omega = model.config, []
-    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
-    for l, lc in enumerate(full.layers):
-        lg_window = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
-        out = torch.softmax(lg_window, -1) @ lc.v[0, :, None].to(dtype)  # (G, g, r, D) outputs
-        # (dim, G, g, D)
-        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(dtype).view(-1, G, g, D)
-        a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
-        b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
-        omega.append((a * b).sqrt())
-    return torch.cat(omega)
-
+# ============================================ relevance (eqs. 9-10), probes, head weights (eq. 11)
 
 def relevance(model, full: Cache, flow: Flow, Tc: int, s: Settings, f: "Formulas"):
     """Eqs. 9-10 per unit: the first hop ŝ (x^0 over the context, normalised per unit), the
@@ -616,6 +506,72 @@ def seeded_hops(model, full: Cache, flow: Flow, s_hat, s: Settings):
     return propagate(unit_norm(s_hat.mean(0)), rows, s.seeds, s.hops, s.decay)
 
 
+def evidence_probes(
+    R: torch.Tensor, slots: list, G: int, s: Settings, phase: int = 0
+) -> torch.Tensor:
+    """The evidence probes per layer (L, m), indices into the strided queries: the first
+    m = s.evidence inside the slots of highest peak relevance max_t mean_g R_{l,g,t} (t ≥ 4, past
+    StreamingLLM's 4 sinks), best first [choice: the peak; by mass the recent slots win]."""
+    if not s.evidence or not slots:
+        return torch.zeros(R.shape[0] // G, 0, dtype=torch.long, device=R.device)
+    # (L, Tc)
+    R_layer = (
+        R.view(-1, G, R.shape[1])
+        .mean(1)
+        .index_fill(1, torch.arange(min(4, R.shape[1]), device=R.device), 0)
+    )
+    # (L, K), one read
+    peaks = torch.stack([R_layer[:, a:b].amax(1) for a, b in slots], 1).tolist()
+    out, stride = [], s.evidence_stride
+    for peak in peaks:
+        best = [slots[i] for i in sorted(range(len(slots)), key=lambda i: -peak[i])]
+        at = [(t - phase) // stride
+              for a, b in best for t in range(a + (phase - a) % stride, b, stride)]
+        out.append(at[:s.evidence])
+    return torch.tensor(out, dtype=torch.long, device=R.device)
+
+
+def probes(model, full: Cache, flow: Flow, dtype, ev: torch.Tensor, stride: int):
+    """Distortion probes per unit, g heads each: U (the last r tokens), then the evidence probes
+    ev (L, m): q (U, P, D), causal logits over every key lg (U, P, T), the rows' logsumexp
+    c (U, P), the probes' token indices (U, P); P = g·(r + m), ordered (head, probe)."""
+    cfg = model.config
+    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    # pos (T,)
+    r, pos, qs, lgs, probe_tokens = flow.probes[0].shape[1], full.layers[0].pos[0, 0], [], [], []
+    # U: the prompt's last r
+    last = torch.arange(full.next_pos - r, full.next_pos, device=pos.device)
+    for l, lc in enumerate(full.layers):
+        # (H, m, D)
+        evidence_q = flow.strided[l][:, ev[l]] if ev.shape[1] else flow.probes[l][:, :0]
+        # (P,) the probes' positions
+        at = torch.cat((last, pos[ev[l] * stride + flow.phase[l]])).repeat(g)
+        q = torch.cat((flow.probes[l], evidence_q), 1).to(dtype).reshape(G, -1, D)  # (G, P, D)
+        lg = (q @ lc.k[0].to(dtype).transpose(1, 2)) / math.sqrt(D)  # (G, P, T)
+        lgs.append(lg.masked_fill(pos > at[:, None], float("-inf")))  # causal rows
+        qs.append(q)
+        probe_tokens.append((at - pos[0]).expand(G, -1))              # token indices
+    lg = torch.cat(lgs)                                              # (U, P, T)
+    return torch.cat(qs), lg, lg.logsumexp(-1), torch.cat(probe_tokens)
+
+
+def head_weights(model, full: Cache, lg, dtype, r: int) -> torch.Tensor:
+    """Eq. 11, ω = √(a·b) per unit (U,): a = ‖W_O slice‖_F of the KV head's query heads,
+    b = mean over the r probes u ∈ U of ‖Σ_{h∈group} W_O,h out_{h,u}‖ (out = the heads'
+    outputs)."""
+    cfg, omega = model.config, []
+    G, g, D = cfg.n_kv_heads, cfg.n_heads // cfg.n_kv_heads, cfg.head_dim
+    for l, lc in enumerate(full.layers):
+        lg_window = lg[l * G:(l + 1) * G].unflatten(1, (g, -1))[:, :, :r]  # (G, g, r, T) U only
+        out = torch.softmax(lg_window, -1) @ lc.v[0, :, None].to(dtype)  # (G, g, r, D) outputs
+        # (dim, G, g, D)
+        Wo = model.layers[l].self_attn.o_proj.weight.detach().to(dtype).view(-1, G, g, D)
+        a = Wo.pow(2).sum((0, 2, 3)).sqrt()                          # (G,)
+        b = torch.einsum("mghd,ghud->gum", Wo, out).norm(dim=-1).mean(1)
+        omega.append((a * b).sqrt())
+    return torch.cat(omega)
+
+
 @dataclass
 class Context:
     """One prompt's GraceKV state: the units' tensors and the paper's per-prompt quantities."""
@@ -624,12 +580,14 @@ class Context:
     units: Units          # what prototypes are made from
     sal: torch.Tensor     # (U, Tc) first-hop probe mass ŝ_j of each unit
     omega: torch.Tensor   # (U,) head weight ω
-    kappa: torch.Tensor   # (Tc,) boundary scores b (bends)
+    boundary: torch.Tensor  # (Tc,) boundary scores b (eq. 5): where slots are cut, nodes bisected
     slots: list           # [(a, b)] the context's slots
     seeds: list           # the multi-hop's seeds, in hop order (the floor's candidates)
     s: Settings
     f: "Formulas"         # the formula each step calls
     G: int = 1            # KV heads per layer: units l·G .. l·G+G−1 share layer l's cache
+    # eqs. 6-8 of many nodes: `node_statistics` (node by node) or a batched form handed in
+    node_stats: Callable = node_statistics
 
     @property
     def Tc(self) -> int:
@@ -645,52 +603,38 @@ def context(model, full: Cache, flow: Flow, r: int, s: Settings,
     T, Tc = full.layers[0].k.shape[2], full.layers[0].k.shape[2] - r
     dtype = torch.float64 if full.layers[0].k.dtype == torch.float64 else torch.float32
     R, s_hat, seeds = f.relevance(model, full, flow, Tc, s, f)       # (U, Tc), (U, Tc), [t]
-    kappa = slot_bends(model, full, Tc, s, dtype, flow.surprisal)    # (Tc,)
-    slots = f.slotting(kappa, Tc, s)
+    boundary = slot_bends(model, full, Tc, s, dtype, flow.surprisal)  # (Tc,) b
+    slots = f.slotting(boundary, Tc, s)
     G = model.config.n_kv_heads
     ev = evidence_probes(R, slots, G, s, flow.phase[0])              # (L, m)
     # (U, P, D), (U, P, T), (U, P) ×2
     q, lg, c, qpos = probes(model, full, flow, dtype, ev, s.evidence_stride)
     omega = head_weights(model, full, lg, dtype, flow.probes[0].shape[1])   # (U,)
     pos = full.layers[0].pos[0, 0]                                   # (T,) the keys' positions
-
-    def pad(x, val=0.0):
-        """x (U, Tc, ·) with the sentinel row Tc appended, filled with val."""
-        return F.pad(x, (0, 0, 0, 1), value=val)
-    kr = torch.cat([pad(M.apply_rope(lc.k[0, :, :Tc].to(dtype), -pos[:Tc], model.inv_freq))
-                    for lc in full.layers])                          # (U, Tc+1, D) k°
-    post = torch.cat([pad(lc.k[0, :, :Tc].to(dtype)) for lc in full.layers])  # (U, Tc+1, D) k
-    values = torch.cat([pad(lc.v[0, :, :Tc].to(dtype)) for lc in full.layers])  # (U, Tc+1, D) v
+    kr = torch.cat([M.apply_rope(lc.k[0, :, :Tc].to(dtype), -pos[:Tc], model.inv_freq)
+                    for lc in full.layers])                          # (U, Tc, D) k°
+    post = torch.cat([lc.k[0, :, :Tc].to(dtype) for lc in full.layers])     # (U, Tc, D) k
+    values = torch.cat([lc.v[0, :, :Tc].to(dtype) for lc in full.layers])   # (U, Tc, D) v
     units = Units(kr=kr, v=values, k=post,
                   knorm=kr.norm(dim=-1),
-                  lg=pad((lg[..., :Tc] - c[..., None]).transpose(1, 2), -math.inf),   # (U, Tc+1, P)
-                  q=q, c=c, R=F.pad(R, (0, 1)).contiguous(),                          # (U, Tc+1)
-                  hole=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
+                  lg=(lg[..., :Tc] - c[..., None]).transpose(1, 2).contiguous(),   # (U, Tc, P)
+                  q=q, c=c, R=R.contiguous(),                                       # (U, Tc)
+                  floor=torch.zeros(len(kr), Tc, dtype=torch.bool, device=q.device),
                   inv_freq=model.inv_freq, s=s, f=f, qpos=qpos, p0=int(pos[0]))
-    return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, kappa=kappa,
+    return Context(T=T, r=r, units=units, sal=s_hat, omega=omega, boundary=boundary,
                    slots=slots, seeds=seeds, s=s, f=f, G=G)
 
 
-def context_key(model, full: Cache, flow: Flow, r: int, s: Settings, f: "Formulas") -> tuple:
-    """What a Context depends on, by identity."""
-    return id(model), id(full), id(flow.probes[0]), r, s, f
-
-
-def context_memo() -> Last:
-    """`context` remembered for its last arguments (speed only): the GraceKV rows and budgets
-    of one prompt share its budget-independent steps; clear it when the prompt is done."""
-    return Last(context, context_key)
-
-
-# ========================================================================= budget flow (eqs. 12-13)
+# ===================================================================== budget flow (eqs. 12-13)
 # Eq. 12: Δ_add(root) = ω·R(root)·(D_drop − D(root)), cost 1;
 #         Δ_split(v) = ω·R(v)·(D(v) − Σ_{u∈child(v)} D(u)), cost |child(v)| − 1.
 # Eq. 13: one max-heap on Δ/cost over all units; a node splits only once added.
 
 @dataclass
 class Node:
-    """A node of a unit's tree (node_stats' fields): span [a, b) minus the unit's holes when made,
-    n tokens, R, D, D(drop), and its prototype: key (D,), value (D,), position, log m."""
+    """A node of a unit's tree (node_stats' fields): span [a, b) minus the floor (and minus what
+    a variant's extraction left out), n tokens, R, D, D(drop), and its prototype: key (D,),
+    value (D,), position, log m."""
     __slots__ = ("unit", "a", "b", "n", "R", "D", "Ddrop", "key", "val", "pos", "logm")
     unit: int
     a: int
@@ -742,25 +686,6 @@ class Plan:
     dropped: list = field(default_factory=list)
 
 
-def picture(plan: Plan, unit: int, Tc: int) -> list:
-    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
-    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
-    recent window (exact) is not drawn."""
-    nodes, row = plan.nodes, ["."] * Tc
-    mine = sorted((nodes[i].a, i) for i in plan.frontier if nodes[i].unit == unit)
-    leaves = {nodes[i].a for _, i in mine if nodes[i].n == 1}
-    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
-    for k, (_, i) in enumerate([e for e in mine if nodes[e[1]].n > 1]):
-        for t in range(nodes[i].a, nodes[i].b):
-            if not plan.floor[unit, t] and t not in leaves:
-                row[t] = letters[k % len(letters)]
-    for t in leaves:
-        row[t] = "x"
-    for t in plan.floor[unit].nonzero()[:, 0].tolist():
-        row[t] = "F"
-    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
-
-
 def extract_three(ctx, u, a, b, free, within):
     """The paper's extraction: the token t of highest R^tok leaves as an exact leaf, both sides
     stay nodes: children [a, t), {t}, [t+1, b) (an empty side is no child: t at an end of the
@@ -785,17 +710,19 @@ def split_gain(omega, R_v, D_v, children: Children):
 
 
 def best_splits(ctx, plan: Plan, ids: list):
-    """Best split of each node, by gain per entry (ties: bisection): a bisection at the highest κ
+    """Best split of each node, by gain per entry (ties: bisection): a bisection at the highest b
     in its central half (2 children, cost 1), or the extraction of f.extract (the paper's: 3
-    children, cost 2). Gain: f.split_gain (eq. 12), cost = children − 1. An extracted token
-    becomes a hole of its unit: no later node of the unit holds it."""
+    children, cost 2). Gain: f.split_gain (eq. 12), cost = children − 1. Records each node's
+    Split and its children in the plan; returns (units, tokens) (M,) of the M nodes whose best
+    split is an extraction."""
     nodes = plan.nodes
-    if not ids:
-        return
     u, a, b = (
-        torch.tensor([getattr(nodes[i], k) for i in ids], device=ctx.units.kr.device)
+        torch.tensor([getattr(nodes[i], k) for i in ids], dtype=torch.long,
+                     device=ctx.units.kr.device)
         for k in ("unit", "a", "b")
     )
+    if not ids:
+        return u, u
     length = b - a
     n = int(length.max())
     idx = a[:, None] + torch.arange(n, device=a.device)                        # (N, n)
@@ -803,15 +730,15 @@ def best_splits(ctx, plan: Plan, ids: list):
     quarter = (length // 4).clamp(min=1)[:, None]
     central = (idx >= a[:, None] + quarter) & (idx <= b[:, None] - quarter)
     # the bisection point
-    cut = a + ctx.kappa[within].masked_fill(~central, float("-inf")).argmax(1)
-    free = (idx < b[:, None]) & ~ctx.units.hole[u[:, None], within]
+    cut = a + ctx.boundary[within].masked_fill(~central, float("-inf")).argmax(1)
+    free = (idx < b[:, None]) & ~ctx.units.floor[u[:, None], within]
     t, ext = ctx.f.extract(ctx, u, a, b, free, within)
     none = torch.full_like(a, -1)
     # K candidate children
     candidates = [(a, cut, none), (cut, b, none)] + ext
     K = len(candidates)
     starts, ends, skips = (torch.cat([x[i] for x in candidates]) for i in range(3))
-    stats = node_stats(ctx.units, u.repeat(K), starts, ends, skips)
+    stats = ctx.node_stats(ctx.units, u.repeat(K), starts, ends, skips)
     valid = (stats["n"] > 0).view(K, -1)                      # (K, N) the non-empty children
     D_children = stats["D"].view(K, -1) * valid               # (K, N), a leaf's D = 0
     R_children = stats["R"].view(K, -1) * valid
@@ -827,10 +754,9 @@ def best_splits(ctx, plan: Plan, ids: list):
     cost_bisect = valid[:2].sum(0) - 1
     cost_extract = (valid[2:].sum(0) - 1).clamp(min=1)
     use_ext = gain_extract / cost_extract > gain_bisect / cost_bisect.clamp(min=1)
-    ctx.units.hole[u[use_ext], t[use_ext]] = True
     gain, cost = (torch.where(use_ext, gain_extract, gain_bisect).tolist(),
                   torch.where(use_ext, cost_extract, cost_bisect).tolist())
-    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))             # (K, N) children rows
+    pick = torch.cat((valid[:2] & ~use_ext, valid[2:] & use_ext))         # (K, N) children rows
     # (node, candidate) pairs
     pairs = pick.T.nonzero()
     kids = add_nodes(nodes, stats, pairs[:, 1] * len(ids) + pairs[:, 0])
@@ -838,6 +764,7 @@ def best_splits(ctx, plan: Plan, ids: list):
     for node, node_gain, node_cost, n_kids in zip(ids, gain, cost, pick.sum(0).tolist()):
         plan.split[node] = Split(node_gain, node_cost, kids[start:start + n_kids])
         start += n_kids
+    return u[use_ext], t[use_ext]
 
 
 def rank_by_gain(ctx, plan: Plan) -> dict:
@@ -849,12 +776,11 @@ def adds(ctx, B_alloc: int) -> tuple:
     """Eq. 12's adds: every slot's root of every unit with its Δ_add = ω·R(root)·(D_drop −
     D(root)), ranked by f.rank_adds (eq. 13 as stated: by the gain itself). Returns the Plan and
     the heap of (−gain/cost, tie, kind, node) it starts from."""
-    # floor = the holes before the greedy
-    plan = Plan(B_alloc, floor=ctx.units.hole.clone(), slots=ctx.slots)
+    plan = Plan(B_alloc, floor=ctx.units.floor.clone(), slots=ctx.slots)
     roots = [(j, a, b) for j in range(ctx.units.kr.shape[0]) for a, b in ctx.slots]
     if roots:
         u, a, b = (torch.tensor(x, device=ctx.units.kr.device) for x in zip(*roots))
-        stats = node_stats(ctx.units, u, a, b)
+        stats = ctx.node_stats(ctx.units, u, a, b)
         keep = (stats["n"] > 0).nonzero()[:, 0]
         gain = ctx.omega[stats["unit"]] * stats["R"] * (stats["Ddrop"] - stats["D"])
         plan.add_gain = dict(zip(add_nodes(plan.nodes, stats, keep), gain[keep].tolist()))
@@ -868,10 +794,9 @@ def allocate(ctx, B_alloc: int) -> Plan:
     """Budget flow (eq. 13), the paper's loop: one max-heap over add(root) (cost 1) and
     split(added node) (cost = children − 1) by gain per entry; the best action is applied if its
     cost fits what is left, else dropped [choice: not retried]; a node entering the cache gets
-    its best split (eq. 12, `best_splits`) and joins the heap. B_alloc counts entries (the
-    cache is ragged: each unit holds exactly its own). Extractions mark holes in
-    ctx.units.hole: one Context serves one call. `allocate_prefetched` is the same flow with the
-    splits evaluated ahead in batches (the default; tested equal)."""
+    its best split (eq. 12, f.split: `best_splits`) and joins the heap. B_alloc counts entries
+    (the cache is ragged: each unit holds exactly its own). The engine's prefetched form
+    evaluates the splits ahead in batches (the same actions, tested)."""
     plan, heap = adds(ctx, B_alloc)
     nodes, tie, left = plan.nodes, len(heap), B_alloc
     while heap and left > 0:
@@ -886,7 +811,7 @@ def allocate(ctx, B_alloc: int) -> Plan:
             plan.frontier.remove(v)
         plan.frontier.update(kids)
         splittable = [c for c in kids if nodes[c].n > 1]
-        best_splits(ctx, plan, [c for c in splittable if c not in plan.split])
+        ctx.f.split(ctx, plan, [c for c in splittable if c not in plan.split])
         for c in splittable:
             child_split = plan.split[c]
             tie += 1
@@ -894,30 +819,23 @@ def allocate(ctx, B_alloc: int) -> Plan:
     return plan
 
 
-def allocate_prefetched(ctx, B_alloc: int) -> Plan:
-    """`allocate` with the best splits evaluated ahead, in batches (support/greedy.py)."""
-    plan, heap = adds(ctx, B_alloc)
-    return prefetched_flow(plan, heap, B_alloc, functools.partial(best_splits, ctx, plan),
-                           ctx.s.prefetch)
-
-
 # ============================================================================= singleton floor
 
 def seed_floor(ctx: Context, per_unit: int) -> int:
     """The budget-aware singleton floor, "chosen from the high-scoring seeds" (the paper): each
     unit keeps exact its own top min(per_unit, |seeds|) of the multi-hop's seeds, ranked by its
-    own R^tok (eq. 10; ties to the later token), as holes in its trees, before the competition;
+    own R^tok (eq. 10; ties to the later token), in ctx.units.floor, before the competition;
     per_unit = ⌊floor_frac·(B − r)⌋ grows with B up to the |seeds| = seeds·(hops + 1)
     candidates [choice: dev, docs/gracekv.md]. Returns its entries (<= U·per_unit)."""
     k = min(max(per_unit, 0), len(ctx.seeds))
     if k == 0:
         return 0
-    dev = ctx.units.hole.device
-    seeds = torch.tensor(sorted(ctx.seeds), device=dev).flip(0)      # (n,) latest first: ties to it
+    dev = ctx.units.floor.device
+    seeds = torch.tensor(sorted(ctx.seeds), device=dev).flip(0)   # (n,) latest first: ties to it
     R_seeds = ctx.units.R[:, seeds]                                  # (U, n) each unit's own R^tok
     best = R_seeds.sort(dim=-1, descending=True, stable=True).indices[:, :k]   # (U, k)
-    ctx.units.hole.scatter_(1, seeds[best], True)
-    return ctx.units.hole.shape[0] * k
+    ctx.units.floor.scatter_(1, seeds[best], True)
+    return ctx.units.floor.shape[0] * k
 
 
 # ============================================================================= cache assembly
@@ -948,20 +866,40 @@ def assemble(ctx, full: Cache, plan: Plan) -> Cache:
                 more = (torch.stack([x.key for x in protos]), torch.stack([x.val for x in protos]),
                         torch.tensor([x.pos for x in protos], device=dev),
                         torch.tensor([x.logm for x in protos], dtype=torch.float64, device=dev))
-                k, v, pos, bias = (torch.cat((x, y.to(x))) for x, y in zip((k, v, pos, bias), more))
+                k, v, pos, bias = (torch.cat((x, y.to(x)))
+                                   for x, y in zip((k, v, pos, bias), more))
             order = pos.argsort(stable=True)
             heads.append((k[order], v[order], pos[order], bias[order]))
         layers.append(LayerCache.pack(heads))                                 # (1, 1, Σ_g S_g, ·)
     return Cache(layers, full.next_pos, full.last_logits)
 
 
+def picture(plan: Plan, unit: int, Tc: int) -> list:
+    """One unit's cache as text, a line per slot and a character per context token: 'F' floor
+    token, 'x' exact leaf, a letter per prototype (the tokens it stands for), '.' dropped; the
+    recent window (exact) is not drawn."""
+    nodes, row = plan.nodes, ["."] * Tc
+    mine = sorted((nodes[i].a, i) for i in plan.frontier if nodes[i].unit == unit)
+    leaves = {nodes[i].a for _, i in mine if nodes[i].n == 1}
+    letters = "abcdefghijklmnopqrstuvwyzABCDEGHIJKLMNOPQRSTUVWXYZ"          # all but x and F
+    for k, (_, i) in enumerate([e for e in mine if nodes[e[1]].n > 1]):
+        for t in range(nodes[i].a, nodes[i].b):
+            if not plan.floor[unit, t] and t not in leaves:
+                row[t] = letters[k % len(letters)]
+    for t in leaves:
+        row[t] = "x"
+    for t in plan.floor[unit].nonzero()[:, 0].tolist():
+        row[t] = "F"
+    return [f"{a:5d}-{b - 1:<5d} |" + "".join(row[a:b]) + "|" for a, b in plan.slots]
+
+
 # ============================================================================= the method
 
 @dataclass(frozen=True)
 class Formulas:
-    """The function each step calls: the paper's. A row of gracekv_variants.py replaces one
-    (a reading of ours or an ablation); the steps never branch on which."""
-    statistic: type = ValueFlow        # what the prefill records (eq. 9's first hop, probes)
+    """The function each step calls: the paper's. A row of engine/gracekv_variants.py replaces
+    one (a reading of ours or an ablation); the steps never branch on which."""
+    first_hop: Callable = first_hop    # what the observation records of Ā (eq. 9's first hop)
     relevance: Callable = relevance    # R per unit and the seeds (eqs. 9-10)
     multi_hop: Callable = seeded_hops  # d̂ and the seeds (eqs. 9-10)
     slotting: Callable = dp_slots      # slots from the boundary scores (eq. 5)
@@ -969,6 +907,7 @@ class Formulas:
     multiplicity: Callable = multiplicity_hbar   # its log m (eq. 7)
     value_beta: Callable = beta_local  # β in its value weights (eq. 7)
     extract: Callable = extract_three  # the salient-token extraction (eq. 12's split)
+    split: Callable = best_splits      # a node's best split (eq. 12)
     split_gain: Callable = split_gain  # Δ_split (eq. 12)
     rank_adds: Callable = rank_by_gain  # what an add competes with (eq. 13)
     floor: Callable = seed_floor       # the singleton floor
@@ -980,13 +919,13 @@ class Formulas:
 @torch.no_grad()
 def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Settings] = None,
              return_plan: bool = False, formulas: Optional[Formulas] = None, memo=None,
-             budget_flow: Optional[Callable] = None):
+             budget_flow: Optional[Callable] = None, node_stats: Optional[Callable] = None):
     """A new GraceKV cache from a FullKV prefill `full` of one prompt and its Flow (observe).
 
     At most U·budget real entries; `full` is left untouched (several methods share it).
-    memo: a `context_memo()` shared by several calls on one prompt; None computes the
-    budget-independent steps here. budget_flow: `allocate` (the paper's loop, one node at a
-    time) or `allocate_prefetched` (the default: the same actions, splits evaluated in batches)."""
+    The engine's fast forms, handed in (None: the paper's): memo, the budget-independent steps
+    (`context`, or a memo shared by several calls on one prompt); budget_flow (`allocate`, the
+    paper's loop one action at a time); node_stats (`node_statistics`, node by node)."""
     s, f = settings or Settings(), formulas or Formulas()
     T, B = full.layers[0].k.shape[2], full.layers[0].k.shape[0]
     if budget < 1:
@@ -1005,14 +944,13 @@ def compress(model, full: Cache, flow: Flow, budget: int, settings: Optional[Set
         idx = idx.expand(1, G, budget)                                       # (1, G, B)
         out = Cache([lc.gather(idx) for lc in full.layers], full.next_pos, full.last_logits)
     else:
-        steps = memo or context                                               # budget-independent
-        ctx = steps(model, full, flow, s.window, s, f)
-        # this call's holes
-        ctx = replace(ctx, units=replace(ctx.units, hole=ctx.units.hole.clone()))
-        # B_total − U·r (eq. 2)
-        spare = len(ctx.omega) * (budget - s.window)
-        floor = f.floor(ctx, int(s.floor_frac * (budget - s.window)))          # B_floor
-        plan = (budget_flow or allocate_prefetched)(ctx, spare - floor)        # B_alloc
+        ctx = (memo or context)(model, full, flow, s.window, s, f)            # budget-independent
+        # this call's floor and node statistics
+        units = replace(ctx.units, floor=ctx.units.floor.clone())
+        ctx = replace(ctx, units=units, node_stats=node_stats or node_statistics)
+        B_floor = f.floor(ctx, int(s.floor_frac * (budget - s.window)))
+        B_alloc = budget_alloc(len(ctx.omega), budget, s.window, B_floor)    # eq. 2
+        plan = (budget_flow or allocate)(ctx, B_alloc)
         out = assemble(ctx, full, plan)
     return (out, plan) if return_plan else out
 
@@ -1024,16 +962,25 @@ def prefill(model, tokens, budget: int, settings: Optional[Settings] = None) -> 
 
 @dataclass
 class GraceKV(polykv.Method):
-    """GraceKV as a method: observes the probes and value flow, compresses once, then appends
-    (no decode-time eviction). `model.generate(m, tok, prompt, GraceKV(128))`.
-    formulas: the paper's if None (gracekv_variants.py builds the other rows); memo: see
-    `compress`."""
+    """GraceKV as a method: observes the probes and the flow, compresses once, then appends (no
+    decode-time eviction). `model.generate(m, tok, prompt, GraceKV(128))`.
+
+    The paper's path by default: `prefill` observes its own prompt (`observe`) and compresses
+    with `node_statistics` and `allocate`. The engine hands in its fast forms as the fields
+    below (engine/gracekv_fast.fast builds the GraceKV the harness runs): `shared`, what the
+    shared observation of several methods records for GraceKV (polykv.Needs.extra) and how its
+    Flow is read back, needed by `needs`/`compress`; memo, budget_flow, node_stats: see
+    `compress`. formulas: the paper's if None (engine/gracekv_variants.py builds the other
+    rows)."""
     budget: int
     settings: Optional[Settings] = None
     formulas: Optional[Formulas] = None
     memo: Optional[Callable] = None
-    # `allocate` (the paper's loop) or None: `allocate_prefetched`, the same actions faster
     budget_flow: Optional[Callable] = None
+    node_stats: Optional[Callable] = None
+    # the engine's shared observation (needs(settings, n_layers), flow(obs, settings),
+    # observe(model, tokens, settings)); None: the paper's own observation
+    shared: Optional[object] = None
 
     def __post_init__(self):
         if self.budget < 1:
@@ -1042,15 +989,25 @@ class GraceKV(polykv.Method):
         self.formulas = self.formulas or Formulas()
 
     def needs(self, model) -> polykv.Needs:
-        return needs(self.settings, model.config.n_layers, self.formulas.statistic)
+        if self.shared is None:                  # nothing from a shared prefill: see compress
+            return polykv.Needs()
+        return self.shared.needs(self.settings, model.config.n_layers)
 
     def compress(self, model, full: Cache, obs: polykv.Observation) -> Cache:
-        flow = flow_of(obs, self.settings.window)
-        return compress(model, full, flow, self.budget, self.settings,
-                        formulas=self.formulas, memo=self.memo, budget_flow=self.budget_flow)
+        if self.shared is None:
+            raise UsageError("the paper's GraceKV observes its own prefill (GraceKV.prefill); "
+                             "a shared observation needs the engine's (engine.gracekv_fast.fast)")
+        return self.compress_flow(model, full, self.shared.flow(obs, self.settings))
+
+    def compress_flow(self, model, full: Cache, flow: Flow, return_plan: bool = False):
+        """`compress` of a FullKV cache and its Flow with this method's pieces."""
+        return compress(model, full, flow, self.budget, self.settings, return_plan,
+                        self.formulas, self.memo, self.budget_flow, self.node_stats)
 
     @torch.no_grad()
     def prefill(self, model, tokens) -> Cache:                   # T <= B: FullKV, no observation
         if tokens.shape[1] <= self.budget:
             return M.prefill(model, tokens)
-        return super().prefill(model, tokens)
+        look = observe if self.shared is None else self.shared.observe
+        full, flow = look(model, tokens, self.settings, self.formulas)
+        return self.compress_flow(model, full, flow)

@@ -33,9 +33,9 @@ import torch
 
 import baselines as BL
 import calibrate
-import gracekv_variants as GV
 import model as M
 import polykv as P
+from engine import gracekv_variants as GV
 from support import cli
 from engine import harness as H
 from engine import observe as OB
@@ -95,7 +95,8 @@ def hf_decode_ms(folder, ids, steps: int, repeat: int):
 
 def cold(method, m, full, obs):
     """method.compress, with nothing kept from an earlier call (the methods here hold no
-    gracekv.context_memo: GraceKV's compression is timed with its budget-independent steps)."""
+    engine.gracekv_fast.context_memo: GraceKV's compression is timed with its budget-independent
+    steps)."""
     return method.compress(m, full, obs)
 
 

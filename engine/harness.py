@@ -25,12 +25,10 @@ import torch
 
 import baselines as BL
 import calibrate
-import gracekv
-import gracekv_variants
 import model as M
 import polykv as P
 from engine import longbench as LB
-from engine import metrics, policy_cache
+from engine import gracekv_fast, gracekv_variants, metrics, policy_cache
 from engine import observe as OB
 from engine import protocols as PR
 from support import checkpoint, cli
@@ -99,7 +97,7 @@ def method(name: str, budget: int, n_layers: int, settings=None, decode=None,
            memo=None) -> P.Method:
     """A method that needs no calibration, by its --methods name: FullKV or a registered rule
     (its own decode form, or `decode`), PyramidKV, a GraceKV row. settings: polykv.RuleSettings;
-    memo: GraceKV's per-prompt steps, shared by its rows (gracekv.context_memo)."""
+    memo: GraceKV's per-prompt steps, shared by its rows (engine.gracekv_fast.context_memo)."""
     s = settings or P.RuleSettings()
     if name == "pyramidkv":
         return P.Pyramid(budget, s)
@@ -184,7 +182,7 @@ class Methods:
         self.model, self.tok, self.args = model, tok, args
         self.L = model.config.n_layers
         self.policies, self.made = {}, {}
-        self.memo = gracekv.context_memo()     # GraceKV's steps of the prompt at hand
+        self.memo = gracekv_fast.context_memo()     # GraceKV's steps of the prompt at hand
         # KVzip's prompt in this vocabulary
         self.settings = calibrate.with_prompt(P.RuleSettings(), tok)
 

@@ -125,7 +125,7 @@ def stream(s: Shape, T: int) -> int:
 def held(s: Shape, T: int, needs, k: Knobs = Knobs()) -> dict:
     """{term: bytes} an observation leaves for the compressions: the FullKV cache with its append
     room, and per statistic in `needs` what every layer keeps (engine.observe.observe_layer,
-    query_stats, gracekv.ValueFlow, model.surprisal; KVzip's scores, from its pass)."""
+    query_stats, engine.gracekv_fast.ValueFlow, model.surprisal; KVzip's scores, from its pass)."""
     L, H, G, D, a, b = s.L, s.H, s.G, s.D, s.a, s.b
     r = min(k.window, T)
     each = {"colsum": L * H * T * a, "window": L * H * T * a, "last": L * H * T * a,
@@ -209,9 +209,9 @@ def compression(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = Tr
     if name != "gracekv":
         return {"compressed cache": small, "selection": sel + extra.get(name, 0)}
     # GraceKV (batch 1; U = L·G units, P = g·(r + m) probes, Tc = T − r, all in a).
-    # gracekv.context: the units' k° (kr), values and post-RoPE keys (U, Tc+1, D) each, ‖k°‖,
+    # gracekv.context: the units' k° (kr), values and post-RoPE keys (U, Tc, D) each, ‖k°‖,
     # R, ŝ; while they are built, the probes' logits (U, P, T) and their row-normalised slice
-    # are alive beside the units' own padded copy (lg). hop_rows (the sampled layers' queries
+    # are alive beside the units' own copy (lg). hop_rows (the sampled layers' queries
     # and keys in fp64 repeated to H heads, the (H, seeds, Tc) logits × 3) and slot_bends
     # (a (T, 2·G·D) trajectory and eight temporaries) come earlier and are smaller.
     # gracekv.allocate: the units stay; each node of the plan holds its key and value (2·D·a)
@@ -233,12 +233,12 @@ def compression(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = Tr
 
 def units_bytes(s: Shape, T: int, k: Knobs = Knobs()) -> int:
     """GraceKV's per-prompt tensors that grow with T (gracekv.Context, gracekv.Units): k°,
-    values, post-RoPE keys (U, Tc+1, D), ‖k°‖ and R (U, Tc+1), the probes' log-masses
-    (U, Tc+1, P) in a; ŝ (U, Tc) in a; the holes (U, Tc) bool. (The probes' queries (U, P, D)
+    values, post-RoPE keys (U, Tc, D), ‖k°‖ and R (U, Tc), the probes' log-masses
+    (U, Tc, P) in a; ŝ (U, Tc) in a; the floor (U, Tc) bool. (The probes' queries (U, P, D)
     do not grow with T.)"""
     U, g, r = s.L * s.G, s.H // s.G, min(k.window, T)
     P, Tc = g * (r + k.evidence), max(T - r, 0)
-    return U * (Tc + 1) * (3 * s.D + 2 + P) * s.a + U * Tc * s.a + U * Tc
+    return U * Tc * (3 * s.D + 2 + P) * s.a + U * Tc * s.a + U * Tc
 
 
 def pipeline(s: Shape, T: int, name: str, k: Knobs = Knobs(), host: bool = True) -> int:
@@ -346,7 +346,6 @@ def measure(T: int, budget: int, threads: int) -> dict:
     from engine import harness as H
     from engine import observe as OB
     from engine.fast import SPEED
-    import gracekv as GK
     import model as M
     import polykv as P
     from support import tasks as TK
@@ -375,9 +374,9 @@ def measure(T: int, budget: int, threads: int) -> dict:
         del rec
         for name, meth in made.items():
             if name == "gracekv":      # its plan too, for the node count
-                flow = GK.flow_of(obs, meth.settings.window)
+                flow = meth.shared.flow(obs, meth.settings)
                 (out, plan), got[name], secs[name] = stage(
-                    GK.compress, m, full, flow, budget, meth.settings, return_plan=True)
+                    meth.compress_flow, m, full, flow, return_plan=True)
                 nodes = None if plan is None else len(plan.nodes)
                 del plan
             else:

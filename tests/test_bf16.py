@@ -39,6 +39,7 @@ import torch
 
 import baselines as BL
 import gracekv as GK
+from engine import gracekv_fast as GF
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
@@ -193,7 +194,7 @@ def test_gracekv_inputs_within_bf16_rounding(seed):
     unit's largest) and head weights ω (relative to the largest) within τ, held in fp32."""
     x, contexts = tokens(seed), {}
     for m in pair(seed):
-        full, flow = GK.observe(m, x[:, :T], GSET)
+        full, flow = GF.Shared().observe(m, x[:, :T], GSET)
         contexts[m.dtype] = GK.context(m, full, flow, GSET.window, GSET)
     a, b = contexts[torch.float32], contexts[torch.bfloat16]
     assert b.units.R.dtype == b.units.lg.dtype == b.omega.dtype == torch.float32
@@ -215,7 +216,7 @@ def make(name: str) -> P.Method:
     if name == "polykv":
         return hand_policy()
     if name == "gracekv":
-        return GK.GraceKV(BUDGET, GSET)
+        return GF.fast(BUDGET, GSET)
     return H.method(name, BUDGET, L, SET)
 
 

@@ -19,9 +19,10 @@ import model as M
 from engine import policy_cache as PC
 import polykv as P
 from conftest import REPEAT, tiny
-import gracekv_variants as V
 from engine import harness as H
 from engine import observe as OB
+from engine import gracekv_fast as GF
+from engine import gracekv_variants as V
 
 SET = P.RuleSettings(window=4, kernel=3, n_sink=2, chunk=5, repeat=REPEAT, future=7)
 GSET = GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
@@ -60,7 +61,7 @@ def make(name: str, L: int) -> P.Method:
         return PC.VARIANTS[name][1](hand_policy(L))
     if V.is_row(name):
         settings, formulas = V.build({**GSET.__dict__, **V.overrides(name)})
-        return GK.GraceKV(BUDGET, settings, formulas)
+        return GF.fast(BUDGET, settings, formulas, forms=V.FAST)
     return H.method(name, BUDGET, L, SET)
 
 
@@ -107,7 +108,7 @@ class Made:
     def __init__(self, methods: dict):
         self.methods = methods
         self.args = SimpleNamespace(greedy=None, max_new_tokens=0)
-        self.memo = GK.context_memo()
+        self.memo = GF.context_memo()
 
     def get(self, name, budget):
         return self.methods[name, budget]

@@ -2,8 +2,9 @@
 (engine/observe.py, polykv.observe's default) against the whole attention matrix of each
 layer (OB.observe_layer_whole), for every method that needs no calibration: the same
 statistics, the same kept sets and the same decoded logits; and GraceKV's budget flow with the
-splits evaluated ahead in batches (gracekv.allocate_prefetched, the default) against the
-paper's loop one node at a time (gracekv.allocate). Tiny random LLaMA in fp64, chunks of 5
+splits evaluated ahead in batches (engine.gracekv_fast.allocate_prefetched, the harness's)
+against the paper's loop one node at a time (gracekv.allocate); GraceKV's other engine paths:
+tests/test_gracekv_fast.py. Tiny random LLaMA in fp64, chunks of 5
 query rows so that every prompt takes several."""
 from dataclasses import replace
 
@@ -11,7 +12,8 @@ import pytest
 import torch
 
 import gracekv as GK
-import gracekv_variants as V
+from engine import gracekv_fast as GF
+from engine import gracekv_variants as V
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
@@ -170,15 +172,16 @@ def test_prefetched_budget_flow_equals_the_paper_loop(seed, variant):
     method = V.variant(variant + GRACE, BUDGET)
     settings, formulas = method.settings, method.formulas
     full, obs = OB.observe(m, x, method.needs(m))
-    flow = GK.flow_of(obs, settings.window)
+    flow = GF.flow_of(obs, settings.window)
 
     def spans(plan):
         return [(k, plan.nodes[v].unit, plan.nodes[v].a, plan.nodes[v].b, c)
                 for k, v, g, c in plan.steps]
     for budget in (6, 9, BUDGET, 20, 30):
-        fast, a = GK.compress(m, full, flow, budget, settings, True, formulas)
+        fast, a = GK.compress(m, full, flow, budget, settings, True, formulas,
+                              budget_flow=GF.allocate_prefetched, node_stats=method.node_stats)
         naive, b = GK.compress(m, full, flow, budget, settings, True, formulas,
-                               budget_flow=GK.allocate)
+                               budget_flow=GK.allocate, node_stats=method.node_stats)
         assert spans(a) == spans(b) and a.dropped == b.dropped, (variant, budget)
         assert [s[2] for s in a.steps] == pytest.approx([s[2] for s in b.steps], rel=1e-12)
         for la, lb in zip(fast.layers, naive.layers):
@@ -191,7 +194,8 @@ def test_the_whole_pipeline_runs_on_the_naive_forms_alone():
     """Every method that needs no calibration, and a mixed per-layer PolyKV policy, run end to
     end on the naive forms alone (the explicit attention and concatenating appends,
     `model.Llama(cfg)` (no speed handed in); each layer's statistics from its whole attention matrix,
-    `OB.observe_layer_whole`; GraceKV's budget flow one node at a time, `gracekv.allocate`)
+    `OB.observe_layer_whole`; GraceKV's node statistics and budget flow one node at a time,
+    `gracekv.node_statistics`, `gracekv.allocate`)
     keep the same sets and decode the same logits, to rounding, as with every fast path on.
     (KVzip's reconstruction pass has one form, tested against the naive reconstruction in
     tests/test_baselines.py.)"""
@@ -210,7 +214,9 @@ def test_the_whole_pipeline_runs_on_the_naive_forms_alone():
                                   layer_pass=OB.observe_layer_whole)
     same_statistics(fast, naive)
     for name, meth in methods.items():
-        slow = replace(meth, budget_flow=GK.allocate) if isinstance(meth, GK.GraceKV) else meth
+        slow = meth
+        if isinstance(meth, GK.GraceKV):              # the paper's node statistics and flow
+            slow = replace(meth, budget_flow=GK.allocate, node_stats=GK.node_statistics)
         a = meth.compress(fast_model, full, fast)
         b = slow.compress(naive_model, full_naive, naive)
         for la, lb in zip(a.layers, b.layers):

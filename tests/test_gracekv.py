@@ -7,9 +7,9 @@ import torch
 from hypothesis import given, strategies as st
 
 import gracekv as GK
-import gracekv_variants as V
 from engine import fast_attention as FA
-from support import greedy
+from engine import gracekv_fast as GF
+from engine import gracekv_variants as V
 import model as M
 from conftest import tiny as tiny_llama
 from engine import harness as H
@@ -18,7 +18,6 @@ from engine import observe as OB
 SET = GK.Settings(
     window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3), prefetch=3, seeds=3
 )
-CHUNK = 5                    # observation chunk: several chunks on tiny prompts
 
 
 tiny = functools.partial(tiny_llama, L=2)
@@ -113,7 +112,7 @@ def test_relevance_per_unit_seeds_and_head_weight_equal_naive(T, seed, hops, fwd
                        "hop_forward": fwd, "evidence": n_ev, "evidence_stride": 2})
     x = tokens(seed, T)
     full, maps, qs, outs = attention_maps(m, x)
-    _, stats = GK.observe(m, x, s, chunk=3, statistic=functools.partial(V.DenseFlow, hops=hops))
+    _, stats = GF.Shared(V.DenseFlow).observe(m, x, s, chunk=3)       # DenseFlow.of: s.hops
     G, H, r = 2, 4, 4
     Tc = T - r
     shat = []
@@ -217,18 +216,18 @@ def test_surprisal_term_of_the_boundaries_equals_naive():
     from engine import protocols as PR
     m, x = tiny(), tokens(3, 41)
     s, off = replace(SET, lambda_s=0.7), replace(SET, lambda_s=0.0)
-    full, obs = OB.observe(m, x, GK.needs(s, m.config.n_layers))
+    full, obs = OB.observe(m, x, GF.needs(s, m.config.n_layers))
     lp = torch.log_softmax(m.forward(x), -1)                                  # (1, T, V)
     want = torch.cat(
         (torch.zeros(1, 1, dtype=lp.dtype), -lp[:, :-1].gather(-1, x[:, 1:, None])[..., 0]), 1
     )
     torch.testing.assert_close(obs.surprisal, want, rtol=1e-12, atol=1e-12)
     # λ_s = 0: not observed
-    assert OB.observe(m, x, GK.needs(off, m.config.n_layers))[1].surprisal is None
+    assert OB.observe(m, x, GF.needs(off, m.config.n_layers))[1].surprisal is None
     Tc = x.shape[1] - s.window
     b0, b1 = (GK.slot_bends(m, full, Tc, st_, torch.float64, obs.surprisal) for st_ in (off, s))
     torch.testing.assert_close(b1, b0 + 0.7 * GK.robust_z(want[0, :Tc]), rtol=1e-12, atol=1e-12)
-    assert torch.equal(PR.cut(full, obs, GK.needs(s, m.config.n_layers), 5, 30)[1].surprisal,
+    assert torch.equal(PR.cut(full, obs, GF.needs(s, m.config.n_layers), 5, 30)[1].surprisal,
                        obs.surprisal[:, 5:30])
 
 
@@ -316,21 +315,25 @@ VARIANTS = [
     {"key": V.key_post, "multiplicity": V.multiplicity_fit},
     {"multiplicity": V.multiplicity_n},
     {"key": V.key_post, "value_beta": V.beta_global, "rank_adds": V.rank_with_lookahead,
-     "relevance": V.shared_relevance, "extract": V.extract_hole, "floor": V.row_floor},
+     "relevance": V.shared_relevance, "extract": V.extract_hole, "split": V.splits_with_holes,
+     "floor": V.row_floor},
 ]
+# the node statistics: the paper's, node by node, and the engine's batches
+NODE_STATS = [GK.node_statistics, GF.NodeStats(V.FAST)]
 
 
-@given(st.integers(16, 40), st.integers(0, 3), st.sampled_from(VARIANTS))
-def test_prototype_and_distortion_equal_naive(T, seed, over):
+@given(st.integers(16, 40), st.integers(0, 3), st.sampled_from(VARIANTS),
+       st.sampled_from(NODE_STATS))
+def test_prototype_and_distortion_equal_naive(T, seed, over, node_stats):
     m, (s, f) = tiny(seed), V.build({**SET.__dict__, **over})
-    full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
+    full, stats = GK.observe(m, tokens(seed, T), s)
     ctx = GK.context(m, full, stats, 4, s, f)
     g = torch.Generator().manual_seed(seed)
     U, Tc = ctx.units.kr.shape[0], ctx.Tc
     u = torch.randint(U, (12,), generator=g)
     a = torch.randint(Tc - 1, (12,), generator=g)
     b = torch.minimum(a + 1 + torch.randint(8, (12,), generator=g), torch.tensor(Tc))
-    got = GK.node_stats(ctx.units, u, a, b)
+    got = node_stats(ctx.units, u, a, b)
     for i in range(12):
         toks = list(range(int(a[i]), int(b[i])))
         want = naive_node(ctx.units, int(u[i]), toks, s, f)
@@ -351,12 +354,12 @@ def test_distortion_zero_when_exact_and_finite_for_extreme_logits():
     # prototype = exact: ṽ = μ
     mu2 = mu.pow(2).sum(-1)
     logZ = torch.tensor([[0.3], [-700.0], [900.0]], dtype=torch.float64)
-    D, Dd = GK.distortion(logZ, torch.ones_like(logZ), mu2, mu2, logZ.clone(), mu2[:, 0],
+    D, Dd = GF.distortion(logZ, torch.ones_like(logZ), mu2, mu2, logZ.clone(), mu2[:, 0],
                           GK.Settings())
     assert torch.all(D.abs() < 1e-12) and torch.all(Dd > 1.9)
     for big in (1e4, -1e4, 1e30):             # log Z̃ − log Z far beyond exp's range
         lz = torch.tensor([[0.0, -1e4], [big, 5.0]])
-        D, Dd = GK.distortion(lz, 1 + torch.rand(2, 2), torch.rand(2, 2), torch.randn(2, 2),
+        D, Dd = GF.distortion(lz, 1 + torch.rand(2, 2), torch.rand(2, 2), torch.randn(2, 2),
                               lz + big,
                               torch.rand(2), GK.Settings())
         assert torch.isfinite(D).all() and torch.isfinite(Dd).all()
@@ -418,7 +421,7 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     """Also with the one-step lookahead: it never spends more than the budget."""
     B = data.draw(st.integers(1, T - 1))
     m, (s, f) = tiny(seed), V.build({**SET.__dict__, "floor_frac": floor_frac, **over})
-    full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
+    full, stats = GK.observe(m, tokens(seed, T), s)
     cache, plan = GK.compress(m, full, stats, B, s, return_plan=True, formulas=f)
     L, G = 2, 2
     r, U = s.window, L * G
@@ -456,9 +459,11 @@ def test_budget_contract_and_greedy_trace(T, data, seed, floor_frac, over):
     def spans(p):
         """The plan's steps as (kind, unit, a, b, cost)."""
         return [(k, p.nodes[v].unit, p.nodes[v].a, p.nodes[v].b, c) for k, v, g, c in p.steps]
+    # the engine's forms (batched node statistics, prefetched flow): the same actions
     same = GK.compress(m, full, stats, B, GK.Settings(**{**s.__dict__, "prefetch": 1000}),
-                       return_plan=True, formulas=f)[1]
-    assert spans(same) == spans(plan)                                         # prefetch: speed only
+                       return_plan=True, formulas=f, budget_flow=GF.allocate_prefetched,
+                       node_stats=GF.NodeStats(V.FAST))[1]
+    assert spans(same) == spans(plan)
     # gains equal up to the last bits (other batch shapes, other summation order)
     assert all(math.isclose(g0, g1, rel_tol=1e-12, abs_tol=1e-15)
                for (*_, g0, _), (*_, g1, _) in zip(same.steps, plan.steps))
@@ -512,7 +517,7 @@ def test_budget_at_least_T_is_fullkv(T, seed):
 def test_greedy_to_all_leaves_is_fullkv(T, seed):
     """With B_alloc = every context token of every unit, the greedy ends in exact leaves only."""
     m, x, s = tiny(seed), tokens(seed, T + 5), SET
-    full, stats = GK.observe(m, x[:, :T], s, chunk=CHUNK)
+    full, stats = GK.observe(m, x[:, :T], s)
     want = M.decode(m, x[:, T:], copy(full))
     ctx = GK.context(m, full, stats, s.window, s)
     plan = GK.allocate(ctx, ctx.units.kr.shape[0] * ctx.Tc)
@@ -572,26 +577,27 @@ def test_post_rope_prototype_logit_is_the_mean_logit(T, seed):
     """prototype_key = "post": for any query (at any later position) the prototype's logit is
     exactly the mean of its tokens' logits, q·k̃ = mean_t q·k_t."""
     m, s, f = tiny(seed), SET, GK.Formulas(key=V.key_post)
-    full, stats = GK.observe(m, tokens(seed, T), s, chunk=CHUNK)
+    full, stats = GK.observe(m, tokens(seed, T), s)
     ctx = GK.context(m, full, stats, s.window, s, f)
     g = torch.Generator().manual_seed(seed)
     U, Tc, G = ctx.units.kr.shape[0], ctx.Tc, m.config.n_kv_heads
     u = torch.randint(U, (10,), generator=g)
     a = torch.randint(Tc - 1, (10,), generator=g)
     b = torch.minimum(a + 2 + torch.randint(8, (10,), generator=g), torch.tensor(Tc))
-    key = GK.node_stats(ctx.units, u, a, b)["key"]                              # (10, D)
-    for i in range(10):
-        # (n, D) post-RoPE
-        k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]
-        q = M.apply_rope(torch.randn(5, k.shape[1], generator=g, dtype=torch.float64),
-                         torch.randint(T, 2 * T, (5,), generator=g), m.inv_freq)  # later positions
-        torch.testing.assert_close(q @ key[i], (q @ k.T).mean(1), rtol=1e-12, atol=1e-12)
+    for node_stats in NODE_STATS:
+        key = node_stats(ctx.units, u, a, b)["key"]                             # (10, D)
+        for i in range(10):
+            # (n, D) post-RoPE
+            k = full.layers[int(u[i]) // G].k[0, int(u[i]) % G, int(a[i]):int(b[i])]
+            q = M.apply_rope(torch.randn(5, k.shape[1], generator=g, dtype=torch.float64),
+                             torch.randint(T, 2 * T, (5,), generator=g), m.inv_freq)  # later
+            torch.testing.assert_close(q @ key[i], (q @ k.T).mean(1), rtol=1e-12, atol=1e-12)
 
 
 def test_budget_within_the_window_keeps_the_sink():
     """B <= r: the first token (attention sink) and the last B − 1, in every unit."""
     m, T, B = tiny(1), 30, 3
-    full, stats = GK.observe(m, tokens(1, T), SET, chunk=CHUNK)
+    full, stats = GK.observe(m, tokens(1, T), SET)
     cache = GK.compress(m, full, stats, B, SET)
     for lc in cache.layers:
         assert (
@@ -602,11 +608,11 @@ def test_budget_within_the_window_keeps_the_sink():
 
 @given(st.lists(st.floats(-5, 5), max_size=40), st.integers(0, 50))
 def test_peek_is_nsmallest_and_leaves_the_pop_order(gains, k):
-    """support.greedy.peek: the k best heap entries, and the heap pops in the same order after
-    it."""
+    """engine.gracekv_fast.peek: the k best heap entries, and the heap pops in the same order
+    after it."""
     import heapq
     heap = [(-g, i, "add", i) for i, g in enumerate(gains)]
     heapq.heapify(heap)
     twin = list(heap)
-    assert greedy.peek(heap, k) == heapq.nsmallest(k, twin)
+    assert GF.peek(heap, k) == heapq.nsmallest(k, twin)
     assert [heapq.heappop(heap) for _ in range(len(heap))] == sorted(twin)

@@ -16,7 +16,7 @@ from hypothesis import given, strategies as st
 import gracekv as GK
 import model as M
 from conftest import tiny as tiny_llama
-import gracekv_variants as V
+from engine import gracekv_variants as V
 from test_gracekv import naive_propagate, tokens
 
 L, H, G, D = 2, 4, 2, 8                   # the tiny model: g = 2 query heads per KV head
@@ -63,7 +63,7 @@ def norm(a):
 
 def setup(seed, T, s=SET):
     m, x = tiny(seed), tokens(seed, T)
-    full, flow = GK.observe(m, x, s, chunk=5)
+    full, flow = GK.observe(m, x, s)
     ctx = GK.context(m, full, flow, s.window, s)
     return m, x, full, flow, ctx
 
@@ -194,23 +194,74 @@ def node_eq6_8(m, q, k, v, R, T, unit, toks, s=SET):
                 D=Dsum / mass if n > 1 else 0.0, Ddrop=Ddrop / mass)
 
 
+def per_node(ctx, j, toks, f=GK.Formulas()):
+    """gracekv.py's per-node functions (f: the paper's, or a variant's) on the node `toks` of
+    unit j: key (6), log m and value (7), D and D^drop (8)."""
+    node = GK.node_view(ctx.units, j, toks)
+    key = f.key(node)
+    log_m = f.multiplicity(node, key)
+    val = GK.value(node, f.value_beta(node, SET.beta))
+    D_v, D_drop = GK.distortion(node, key, log_m, val, SET)
+    return dict(key=key, val=val, pos=int(node.position), logm=float(log_m),
+                D=float(D_v) if len(toks) > 1 else 0.0, Ddrop=float(D_drop))
+
+
+def random_nodes(seed, Tc, count=6):
+    """count random nodes (unit, tokens) of at most 7 tokens."""
+    gen = torch.Generator().manual_seed(seed)
+    u = torch.randint(U, (count,), generator=gen)
+    a = torch.randint(Tc - 1, (count,), generator=gen)
+    b = torch.minimum(a + 1 + torch.randint(7, (count,), generator=gen), torch.tensor(Tc))
+    return u, a, b
+
+
+def agree(got, want) -> bool:
+    """The fields of eqs. 6-8 of one node equal (key, value, position, log m, D, D^drop)."""
+    close = [torch.allclose(got[f], want[f], rtol=1e-9, atol=1e-11) for f in ("key", "val")]
+    close += [got["pos"] == want["pos"]]
+    close += [got[f] == pytest.approx(want[f], rel=1e-8, abs=1e-11)
+              for f in ("logm", "D", "Ddrop")]
+    return all(close)
+
+
 @given(st.integers(16, 32), st.integers(0, 3))
 def test_eq6_7_8_prototype_and_distortion(T, seed):
+    """gracekv.py's per-node functions (key_unrotated, multiplicity_hbar, beta_local and
+    value, distortion) and node_statistics, which runs them node by node, against the
+    transcription."""
     m, x, full, flow, ctx = setup(seed, T)
     q, k, v, _ = observed(m, x)
-    gen = torch.Generator().manual_seed(seed)
-    Tc = T - R_WIN
-    u = torch.randint(U, (6,), generator=gen)
-    a = torch.randint(Tc - 1, (6,), generator=gen)
-    b = torch.minimum(a + 1 + torch.randint(7, (6,), generator=gen), torch.tensor(Tc))
-    got = GK.node_stats(ctx.units, u, a, b)
+    u, a, b = random_nodes(seed, T - R_WIN)
+    stats = GK.node_statistics(ctx.units, u, a, b)
     for i in range(6):
-        want = node_eq6_8(m, q, k, v, ctx.units.R, T, int(u[i]), list(range(int(a[i]), int(b[i]))))
-        torch.testing.assert_close(got["key"][i], want["key"], rtol=1e-9, atol=1e-11)   # eq. 6
-        torch.testing.assert_close(got["val"][i], want["val"], rtol=1e-9, atol=1e-11)   # eq. 7
-        assert int(got["pos"][i]) == want["pos"]
-        for f in ("logm", "R", "D", "Ddrop"):                                           # eqs. 7, 8
-            assert float(got[f][i]) == pytest.approx(want[f], rel=1e-8, abs=1e-11), f
+        j, toks = int(u[i]), list(range(int(a[i]), int(b[i])))
+        want = node_eq6_8(m, q, k, v, ctx.units.R, T, j, toks)
+        got = per_node(ctx, j, toks)
+        torch.testing.assert_close(got["key"], want["key"], rtol=1e-9, atol=1e-11)     # eq. 6
+        torch.testing.assert_close(got["val"], want["val"], rtol=1e-9, atol=1e-11)     # eq. 7
+        assert got["pos"] == want["pos"] == int(stats["pos"][i])
+        for f in ("logm", "D", "Ddrop"):                                               # eqs. 7, 8
+            assert got[f] == pytest.approx(want[f], rel=1e-8, abs=1e-11), f
+        for f in ("logm", "R", "D", "Ddrop"):
+            assert float(stats[f][i]) == pytest.approx(want[f], rel=1e-8, abs=1e-11), f
+        torch.testing.assert_close(stats["key"][i], want["key"], rtol=1e-9, atol=1e-11)
+        torch.testing.assert_close(stats["val"][i], want["val"], rtol=1e-9, atol=1e-11)
+
+
+@pytest.mark.parametrize("over", [{"key": V.key_post}, {"multiplicity": V.multiplicity_n},
+                                  {"value_beta": V.beta_global}])
+def test_eq6_7_8_mutation_check(over):
+    """A node formula other than the paper's (a variant row's key, m or β) fails the same
+    comparison with the transcription on some node of longer than one token."""
+    m, x, full, flow, ctx = setup(0, 30)
+    q, k, v, _ = observed(m, x)
+    f = GK.Formulas(**over)
+    u, a, b = random_nodes(0, 30 - R_WIN, 12)
+    nodes = [(int(j), list(range(int(s), int(e)))) for j, s, e in zip(u, a, b) if e - s > 1]
+    assert nodes
+    want = [node_eq6_8(m, q, k, v, ctx.units.R, 30, j, toks) for j, toks in nodes]
+    assert all(agree(per_node(ctx, j, toks), w) for (j, toks), w in zip(nodes, want))
+    assert not all(agree(per_node(ctx, j, toks, f), w) for (j, toks), w in zip(nodes, want))
 
 
 # ----------------------------------------------------------------------------- eq. (9)-(11)
@@ -285,7 +336,7 @@ def test_eq11_head_weights(T, seed):
 
 def plan_for(seed, T, B, s=SET, f=None):
     m, x = tiny(seed), tokens(seed, T)
-    full, flow = GK.observe(m, x, s, chunk=5)
+    full, flow = GK.observe(m, x, s, f)
     cache, plan = GK.compress(m, full, flow, B, s, return_plan=True, formulas=f)
     ctx = GK.context(m, full, flow, s.window, s, f)                          # the same steps, fresh
     return m, x, full, cache, plan, ctx

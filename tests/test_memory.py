@@ -7,6 +7,7 @@ import torch
 
 import baselines as BL
 import gracekv as GK
+from engine import gracekv_fast as GF
 import model as M
 import polykv as P
 from conftest import REPEAT, tiny
@@ -34,7 +35,7 @@ def test_what_an_observation_keeps_equals_the_formula():
     gset = GK.Settings(window=W)
     computed = BL.RULES["expected"].computed + BL.RULES["kvzip"].computed
     needs = OB.union([P.Needs((every,) * L, W, computed, chunk=5, repeat=REPEAT, future=7),
-                     GK.needs(gset, L)], L)
+                     GF.needs(gset, L)], L)
     full, obs = OB.observe(m, x, needs)
     s = MEM.Shape.of(m.config, 8)
     sampled = len(GK.depths(gset.hop_depths, L))
@@ -57,6 +58,6 @@ def test_gracekv_units_equal_the_formula():
     full, flow = GK.observe(m, x, gset)
     ctx = GK.context(m, full, flow, W, gset)
     u = ctx.units
-    got = nbytes(u.kr, u.v, u.k, u.knorm, u.R, u.lg, ctx.sal, u.hole)
+    got = nbytes(u.kr, u.v, u.k, u.knorm, u.R, u.lg, ctx.sal, u.floor)
     k = MEM.Knobs(window=W, evidence=gset.evidence)
     assert got == MEM.units_bytes(MEM.Shape.of(m.config, 8), T, k)

@@ -9,6 +9,7 @@ import torch
 
 import evaluate as E
 import gracekv as GK
+from engine import gracekv_fast as GF
 import model as M
 import polykv as P
 from conftest import tiny as tiny_llama
@@ -135,7 +136,7 @@ def test_context_keeps_prefix_and_question_exact_and_free(name):
     meth = (
         H.method(name, budget, L, P.RuleSettings(window=4))
         if name != "gracekv"
-        else GK.GraceKV(
+        else GF.fast(
             budget,
             GK.Settings(window=4, slot_min=3, slot_max=8, slot_target=5, bend_widths=(2, 3),
                         seeds=3, evidence=4),
@@ -175,7 +176,7 @@ def test_gracekv_cut_keeps_each_strided_query_at_its_token():
     m, x = tiny(), tokens()
     flows = {}
     for stride in (4, 1):
-        needs = P.Needs(extra=(("flow", GK.ValueFlow(4, (0, 1), stride)),))
+        needs = P.Needs(extra=(("flow", GF.ValueFlow(4, (0, 1), stride)),))
         full, obs = OB.observe(m, x, needs)
         flows[stride] = [needs.extra[0][1].cut(v, A, B_) for v in obs.extra["flow"]]
     for l in range(2):
