@@ -157,30 +157,24 @@ def observe(model, tokens, needs: Needs) -> tuple:
     if unknown:
         raise UsageError(f"no statistic named {sorted(unknown)[0]!r} is defined "
                          f"(a rule declares the statistics it computes: polykv.Rule)")
-    obs = Observation([dict() for _ in range(L)], {name: [None] * L for name, _ in needs.extra})
+    if needs.extra or needs.surprisal:
+        raise UsageError("a method's own statistics (Needs.extra, surprisal) are read by the "
+                         "engine's shared observation (engine/observe.py); the method observes "
+                         "its own prefill on the paper's path")
+    obs = Observation([dict() for _ in range(L)])
 
     def post_kernel(layer, q, q_pos, lc, out):
         names = per_layer[layer]
-        if not names and not needs.extra:
-            return
-        A = attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)                # (B, H, T, T)
+        if names & set(ATTENTION_STATISTICS):
+            A = attention_probs(q, lc.k, lc.bias, q_pos, lc.pos)            # (B, H, T, T)
+            w = min(needs.window, A.shape[2])
         for name in names:
             if name in ATTENTION_STATISTICS:
-                obs.stats[layer][name] = ATTENTION_STATISTICS[name](A, min(needs.window,
-                                                                           A.shape[2]))
+                obs.stats[layer][name] = ATTENTION_STATISTICS[name](A, w)
             elif computed[name].per_layer is not None:
                 obs.stats[layer][name] = computed[name].per_layer(q, q_pos, model, needs)
-        for name, statistic in needs.extra:        # a method's own statistic, in one piece
-            state = statistic.begin(q, lc, layer)
-            lo = statistic.lowest(A.shape[2], layer)
-            statistic.add(state, lo, A.shape[2], A[:, :, lo:])
-            obs.extra[name][layer] = statistic.end(state)
 
-    def final(h):                                  # the final norm's output (B, T, dim)
-        obs.surprisal = M.surprisal(model, h, tokens)
-
-    full = M.prefill(model, tokens, Hooks(post_kernel=post_kernel,
-                                          final=final if needs.surprisal else None))
+    full = M.prefill(model, tokens, Hooks(post_kernel=post_kernel))
     for name, statistic in computed.items():      # the extra passes after the prefill
         layers = [l for l in range(L) if name in per_layer[l]]
         if statistic.after is not None and layers:

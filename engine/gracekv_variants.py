@@ -5,7 +5,7 @@ engine's fast GraceKV, engine/gracekv_fast.fast, with `FAST`: the fast form of e
 here beside the paper's); none is the method called `gracekv`, whose formulas are in
 gracekv.py. Each per-node formula below has its batched twin (`..._batched`), tested equal
 (tests/test_gracekv_fast.py). docs/gracekv.md has each one's figures (the earlier rounds:
-docs/history.md)."""
+docs/history.md (at commit fc6d824))."""
 from __future__ import annotations
 
 import ast

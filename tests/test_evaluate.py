@@ -405,14 +405,12 @@ def test_a_prompt_whose_logits_or_measures_are_not_finite_writes_nothing(tiny_di
                       "--length", "8000", "--samples", "16", "--fidelity-length", "7936",
                       "--fidelity-samples", "16", "--greedy", "niah_single_1",
                       "--cache-dir", "results/long/policies"]),
-    ("results/gracekv-ablation/round-3", ["--split", "test", "--seed", "0",
-                                          "--tasks", "niah_single_1",
-                                          "--length", "2048", "--budget", "64,128,512,1024",
-                                          "--fidelity-samples", "12", "--samples", "12",
-                                          "--fidelity-length", "1792", "--max-new-tokens", "24",
-                                          "--threads", "1", "--methods",
-                                          "full,snapkv,tova,pyramidkv,adakv,gracekv,"
-                                          "gracekv-nosurprisal"]),
+    ("results/gracekv-2k", ["--split", "test", "--seed", "0", "--tasks", "niah_single_1",
+                            "--length", "2048", "--budget", "64,128,512,1024",
+                            "--fidelity-samples", "12", "--samples", "12",
+                            "--fidelity-length", "1792", "--max-new-tokens", "24",
+                            "--threads", "1", "--methods",
+                            "full,snapkv,tova,pyramidkv,adakv,kvzip,gracekv,gracekv-massgain"]),
 ])
 def test_committed_results_take_their_documented_command(folder, argv):
     """The committed results/ folders hold no run.json: the command their README documents
