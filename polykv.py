@@ -86,6 +86,7 @@ class Needs:
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
     # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
     repeat: tuple = ()
+    repeat_from: int = 0  # `recon`: the first prompt position reconstructed (RuleSettings)
     surprisal: bool = False  # −log p of each prompt token (model.surprisal; GraceKV's boundaries)
     @property
     def used(self) -> frozenset:
@@ -94,7 +95,8 @@ class Needs:
 
 
 # which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
-PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat": "recon"}
+PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat": "recon",
+          "repeat_from": "recon"}
 
 
 def union(needs: list, n_layers: int) -> Needs:
@@ -321,6 +323,9 @@ class RuleSettings:
     tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
     future: int = 512     # Expected Attention's future positions (kvpress default)
     repeat: tuple = ()    # KVzip's reconstruction prompt, ids (support.tasks.reconstruction_prompt)
+    # KVzip: the prompt's first repeat_from tokens are not reconstructed (score 0 but the sinks):
+    # kvpress's KVzipPress skips a chat template's prefix (support.tasks.kvpress_reconstruction)
+    repeat_from: int = 0
 
     def __post_init__(self):
         # JSON lists back to tuples
@@ -328,8 +333,9 @@ class RuleSettings:
         for name in ("window", "kernel", "chunk"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_sink < 0 or self.beta <= 1:
-            raise UsageError(f"need n_sink >= 0 and beta > 1, got {self.n_sink}, {self.beta}")
+        if self.n_sink < 0 or self.beta <= 1 or self.repeat_from < 0:
+            raise UsageError(f"need n_sink >= 0, beta > 1 and repeat_from >= 0, got "
+                             f"{self.n_sink}, {self.beta}, {self.repeat_from}")
         if self.pool not in ("max", "avg"):
             raise UsageError(f"pool must be 'max' or 'avg', got {self.pool!r}")
 
@@ -705,7 +711,8 @@ class Policy(Method):
         )
         s = self.settings
         return Needs(
-            per_layer, s.window, s.chunk, n_sink=s.n_sink, future=s.future, repeat=s.repeat
+            per_layer, s.window, s.chunk, n_sink=s.n_sink, future=s.future, repeat=s.repeat,
+            repeat_from=s.repeat_from
         )
 
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
