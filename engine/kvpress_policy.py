@@ -238,6 +238,9 @@ class KVzipScores(KVzipPress):
         super().__post_init__()
 
     def _perform_kvzip_compression(self, model, tokenizer):
+        if self._cache is None:
+            raise UsageError("a policy with KVzip layers needs the cache passed in "
+                             "(past_key_values=DynamicCache()), as kvpress's pipeline does")
         if self._cache.get_seq_length() != self._context_ids.shape[1]:
             return                                 # a question or a generated token
         super()._perform_kvzip_compression(model, tokenizer)
@@ -335,6 +338,8 @@ class PolicyPress(PrefillDecodingPress):
 
     def forward_hook(self, module, input, kwargs, output):
         if is_prefilling(kwargs["cache_position"], kwargs["hidden_states"].shape[1]):
+            if module.layer_idx == 0 and self.kvzip is not None:
+                self.kvzip.scores = None           # a new prompt: its own pass to come
             return self.prefilling_press.forward_hook(module, input, kwargs, output)
         decoder = self.decoders.get(module.layer_idx)
         return output if decoder is None else decoder.forward_hook(module, input, kwargs, output)
@@ -362,6 +367,9 @@ class PolicyPress(PrefillDecodingPress):
         if not prefill.fresh:
             return
         prefill.fresh = False
+        if self.kvzip_layers and self.kvzip.scores is None:
+            raise UsageError("KVzip's pass did not run after the prefill (call the model "
+                             "inside `with press(model)` with its cache, as the pipeline does)")
         for l in self.kvzip_layers:
             scores = self.kvzip.scores[l].float()                            # (B, G, T)
             T = scores.shape[-1]

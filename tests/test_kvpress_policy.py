@@ -46,17 +46,18 @@ except ImportError as e:
 
 def constructed(n_layers: int = 30) -> P.Policy:
     """A policy using every rule the adapter supports on some layer (prefill: full, streaming,
-    h2o, tova, snapkv, random, knorm, expected, kvzip; decode: append, streaming, h2o, tova),
-    budgets differing by layer (sum L·B, B = 128). SnapKV with average pooling (kernel 5) and
-    TOVA keeping the last token: kvpress's forms, so these run as kvpress's own SnapKVPress and
-    TOVAPress (the shipped policy's paper forms run as this project's scorers); the window is
-    the shipped policy's 32, so one observation of the prompt serves both."""
-    prefill = ["full", "streaming", "h2o", "tova", "snapkv", "random", "knorm", "expected",
-               "kvzip"]
+    h2o, tova, snapkv, random, knorm, expected by turns, kvzip on layers 5 and 12 (no deeper
+    than the shipped policy's, so the shared observation's KVzip pass stops where it does);
+    decode: append, streaming, h2o, tova by turns), budgets differing by layer (sum L·B,
+    B = 128). SnapKV with average pooling (kernel 5) and TOVA keeping the last token: kvpress's
+    forms, so these run as kvpress's own SnapKVPress and TOVAPress (the shipped policy's paper
+    forms run as this project's scorers); the window is the shipped policy's 32, so one
+    observation of the prompt serves both."""
+    prefill = ["full", "streaming", "h2o", "tova", "snapkv", "random", "knorm", "expected"]
     decode = ["append", "streaming", "h2o", "tova"]
     layers, budgets = [], [96 + 16 * (l % 5) for l in range(n_layers)]        # 96..160
     for l in range(n_layers):
-        rule = prefill[l % len(prefill)]
+        rule = "kvzip" if l in (5, 12) else prefill[l % len(prefill)]
         layers.append(P.LayerPolicy((rule, budgets[l]), (decode[l % len(decode)], budgets[l])))
     return P.Policy(layers, 128, P.RuleSettings(kernel=5, pool="avg", tova_keep_last=True))
 
@@ -67,15 +68,17 @@ def pipe(embedded):
 
 
 def fitted(pipe, tok, T: int, protocol: str) -> tuple:
-    """(context text, question) whose ids under `protocol` compress exactly T tokens."""
+    """(context text, question) whose ids under `protocol` compress exactly T tokens: n tokens of
+    a test passage from its token `start` on, decoded, for the first (start, n) near T that gives
+    T (a decoded text may encode to a token more or fewer, the question's first may merge)."""
     ids = TK.fidelity_text(tok, T + 64, 0)[0]
-    n = T - 40
-    for _ in range(20):
-        context = tok.decode(ids[:n])
-        got = KP.inputs(pipe, context, QUESTION, protocol)[0].shape[1]
-        if got == T:
-            return context, QUESTION
-        n += T - got
+    for start in range(8):
+        n = T - (KP.inputs(pipe, tok.decode(ids[start:start + T]), QUESTION, protocol)[0]
+                 .shape[1] - T)
+        for size in (n, n - 1, n + 1, n - 2, n + 2):
+            context = tok.decode(ids[start:start + size])
+            if KP.inputs(pipe, context, QUESTION, protocol)[0].shape[1] == T:
+                return context, QUESTION
     raise AssertionError(f"no context of exactly {T} tokens")
 
 
@@ -135,13 +138,14 @@ def test_pipeline_keeps_what_policy_compress_keeps(embedded, pipe, T, protocol):
     for name, policy in zip(("shipped", "constructed"), policies):
         press, _ = KP.policy_press(policy, 30)
         assert {type(p.scorer).__name__ for p in press.prefilling_press.plans} >= (
-            {"StreamingLLMPress", "KnormPress", "ExpectedAttentionPress", "RuleScorer"}
-            | ({"SnapKVPress", "TOVAPress"} if name == "constructed" else set()))
+            {"StreamingLLMPress", "ExpectedAttentionPress", "RuleScorer"}
+            | ({"KnormPress", "SnapKVPress", "TOVAPress"} if name == "constructed" else set()))
         ids, held = kvpress_run(pipe, press, text, asked)
         # this project's path on the same ids: compress, feed the question, greedy
         cache = policy.compress(m, full, obs)
         mine = [[set(lc.pos[0, g].tolist()) for g in range(3)] for lc in cache.layers]
-        m.step(q_ids, cache, policy.decoder)       # one step, evicting once (kvpress's too)
+        with torch.no_grad():
+            m.step(q_ids, cache, policy.decoder)   # one step, evicting once (kvpress's too)
         answer = M.greedy(m, cache, NEW_TOKENS, tok.eos_ids, policy.decoder)
         ties = []
         for l, lp in enumerate(policy.layers):
@@ -158,6 +162,21 @@ def test_pipeline_keeps_what_policy_compress_keeps(embedded, pipe, T, protocol):
         print(f"T={T} {protocol} {name}: {90 - len(ties)}/90 units exact; near-ties {ties}")
         assert all(t[-1] <= TIE for t in ties), ties
         assert [i for i in ids if i not in tok.eos_ids] == answer
+
+
+@pytest.mark.embedded
+def test_kvzip_prompt_is_the_one_kvpress_builds(embedded, pipe):
+    """tasks.kvpress_reconstruction on the embedded folder (its chat_template.jinja, rendered by
+    this project's jinja2 reader) gives the suffix and the skipped prefix that kvpress's
+    KVzipPress computes with transformers' tokenizer when it enters the model."""
+    from kvpress import KVzipPress
+    _, tok = embedded
+    repeat, start = TK.kvpress_reconstruction(tok)
+    press = KVzipPress(0.5)
+    with press(pipe.model):
+        assert start == press.prefix_length == 24
+        assert list(repeat[2]) == press._suffix_ids[0].tolist()
+    assert repeat[:2] == TK.reconstruction_prompt(tok)[:2]
 
 
 def test_exact_ratio_keeps_exactly_the_budget():
@@ -198,7 +217,8 @@ def test_command_reports_the_kept_entries_and_the_answer(embedded, pipe, tmp_pat
                f"{', '.join([str(lp.prefill.budget)] * 3)} |" in out
     ctx, q_ids, _, _ = KP.inputs(pipe, context, QUESTION, "agnostic")
     cache = policy.prefill(m, ctx)
-    m.step(q_ids, cache, policy.decoder)
+    with torch.no_grad():
+        m.step(q_ids, cache, policy.decoder)
     answer = M.greedy(m, cache, 6, tok.eos_ids, policy.decoder)
     shown = next(line for line in out.splitlines() if line.startswith("answer ids: "))
     assert [i for i in json.loads(shown[len("answer ids: "):]) if i not in tok.eos_ids] == answer
