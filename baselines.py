@@ -91,12 +91,16 @@ def expected(x: P.ScoreInput):
 
 @torch.no_grad()
 def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink: int = 4,
-                chunk: int = 2048, overlap: int = 8) -> dict:
+                chunk: int = 2048, overlap: int = 8, start: int = 0) -> dict:
     """KVzip's scores (Kim et al. 2025, "KVzip: Query-Agnostic KV Cache Compression with Context
-    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt fed again after a fork of
-    the FullKV cache (left as it was) behind a repeat instruction (later chunks: + the `overlap`
-    tokens before) and the suffix. Per query u of that pass, A_rec[h,u,·] = softmax over the
-    sinks, the chunk and the pass's own causal keys; score_j = max_u A_rec.
+    Reconstruction"; kvpress `KVzipPress`): each `chunk` of the prompt from position `start` on
+    fed again after a fork of the FullKV cache (left as it was) behind a repeat instruction
+    (later chunks: + the `overlap` tokens before) and the suffix. Per query u of that pass,
+    A_rec[h,u,·] = softmax over the sinks (the first min(n_sink, a) positions, a the chunk's
+    start), the chunk and the pass's own causal keys; score_j = max_u A_rec; the positions
+    before `start` are not reconstructed and score 0. start > 0 is kvpress's convention for a
+    tokenizer with a chat template: `KVzipPress.prepare` skips the template's prefix
+    (`prefix_length` tokens) and chunks the rest (support.tasks.kvpress_reconstruction).
 
     The pass computes each layer's attention itself (`scored_attention`, the model.Hooks kernel):
     one product of its queries with every key gives both the attention the pass runs on
@@ -120,9 +124,9 @@ def reconstruct(model, full: Cache, tokens, repeat: tuple, layers: list, n_sink:
     # the blocks after the deepest scored layer are not run: nothing they compute reaches a score
     # (no layer named: the whole pass, its cost without scores)
     depth = max(layers) + 1 if layers else model.config.n_layers
-    for a in range(0, T, chunk):
+    for a in range(start, T, chunk):
         b, sink = min(T, a + chunk), min(n_sink, a)
-        lead = first if a == 0 else torch.cat((later, tokens[:, a - overlap:a]), 1)
+        lead = first if a == start else torch.cat((later, tokens[:, a - overlap:a]), 1)
         ids = torch.cat((lead, suffix, tokens[:, a:b]), 1)                       # (B, n)
 
         def kernel(layer, q, q_pos, lc):
@@ -190,7 +194,8 @@ def scored_attention(q, lc, span: tuple, rows: int = 64) -> tuple:
 
 def kvzip_scores(model, full: Cache, tokens, needs: P.Needs, layers: list) -> dict:
     """The `recon` statistic: `reconstruct` after the prefill, for the layers that read it."""
-    return reconstruct(model, full, tokens, needs.repeat, layers, needs.n_sink)
+    return reconstruct(model, full, tokens, needs.repeat, layers, needs.n_sink,
+                       start=needs.repeat_from)
 
 
 def kvzip(x: P.ScoreInput):

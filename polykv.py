@@ -69,6 +69,7 @@ class Needs:
     future: int = 512     # `queries`: the next positions whose mean rotation is applied
     # `recon`: the reconstruction prompt's ids (support.tasks.reconstruction_prompt)
     repeat: tuple = ()
+    repeat_from: int = 0  # `recon`: the first prompt position reconstructed (RuleSettings)
     surprisal: bool = False  # −log p of each prompt token (model.surprisal; GraceKV's boundaries)
     # the engine's shared pass only: query rows per chunk (memory), and a method's own per-layer
     # statistics ((name, statistic), ...; GraceKV's value flow, engine/observe.py)
@@ -208,6 +209,9 @@ class RuleSettings:
     tova_keep_last: bool = False  # TOVA scores keys < T−1 and always keeps the last (kvpress)
     future: int = 512     # Expected Attention's future positions (kvpress default)
     repeat: tuple = ()    # KVzip's reconstruction prompt, ids (support.tasks.reconstruction_prompt)
+    # KVzip: the prompt's first repeat_from tokens are not reconstructed (score 0 but the sinks):
+    # kvpress's KVzipPress skips a chat template's prefix (support.tasks.kvpress_reconstruction)
+    repeat_from: int = 0
 
     def __post_init__(self):
         # JSON lists back to tuples
@@ -215,8 +219,9 @@ class RuleSettings:
         for name in ("window", "kernel", "chunk"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.n_sink < 0 or self.beta <= 1:
-            raise UsageError(f"need n_sink >= 0 and beta > 1, got {self.n_sink}, {self.beta}")
+        if self.n_sink < 0 or self.beta <= 1 or self.repeat_from < 0:
+            raise UsageError(f"need n_sink >= 0, beta > 1 and repeat_from >= 0, got "
+                             f"{self.n_sink}, {self.beta}, {self.repeat_from}")
         if self.pool not in ("max", "avg"):
             raise UsageError(f"pool must be 'max' or 'avg', got {self.pool!r}")
 
@@ -590,7 +595,8 @@ class Policy(Method):
             computed.update(rule.computed if rule else ())
         s = self.settings
         return Needs(tuple(per_layer), s.window, tuple(computed.items()), n_sink=s.n_sink,
-                     future=s.future, repeat=s.repeat, chunk=s.chunk)
+                     future=s.future, repeat=s.repeat, repeat_from=s.repeat_from,
+                     chunk=s.chunk)
 
     def compress(self, model, full: Cache, obs: Observation) -> Cache:
         """A new cache: layer l keeps min(b_l, T) entries per KV head chosen by its rule.

@@ -201,7 +201,8 @@ def observe_layer_whole(q, q_pos, lc, names, window: int, chunk: int = 0,
 # ------------------------------------------------------- several methods and prefixes, one prefill
 
 # which statistic each parameter of Needs serves (methods sharing a prefill must agree on it)
-PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat": "recon"}
+PARAMS = {"window": "window", "n_sink": "queries", "future": "queries", "repeat": "recon",
+          "repeat_from": "recon"}
 
 
 def union(needs: list, n_layers: int) -> Needs:

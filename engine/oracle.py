@@ -53,6 +53,18 @@ FORMAT = "kvcache-oracle/1"
 CONVENTIONS = {"paper": P.RuleSettings(), "kvpress": P.KVPRESS}
 
 
+def conventions(name: str, tok) -> P.RuleSettings:
+    """The rule settings of `--conventions name` with KVzip's reconstruction prompt in tok's
+    vocabulary: the papers' (calibrate.with_prompt: a template only from
+    tokenizer_config.json, as this project applies it), or kvpress 0.5.5's (P.KVPRESS, and
+    KVzip's prompt and first reconstructed position as KVzipPress builds them from the chat
+    template transformers reads: tasks.kvpress_reconstruction)."""
+    if name != "kvpress":
+        return calibrate.with_prompt(CONVENTIONS[name], tok)
+    repeat, start = TK.kvpress_reconstruction(tok)
+    return P.RuleSettings(**{**P.KVPRESS.__dict__, "repeat": repeat, "repeat_from": start})
+
+
 def make_method(name: str, budget: int, n_layers: int, settings=None, policy=None) -> P.Method:
     """A method by its evaluate.py name (H.method), with no decode-time eviction; polykv
     reads its policy file."""
@@ -319,8 +331,7 @@ def main(argv=None):
     else:
         ids = TK.fidelity_text(tok, args.length, 0)[0]
     M.check_length(m, len(ids))
-    # + KVzip's prompt in this vocabulary
-    conv = calibrate.with_prompt(CONVENTIONS[args.conventions], tok)
+    conv = conventions(args.conventions, tok)       # + KVzip's prompt in this vocabulary
     method = make_method(args.method, args.budget, m.config.n_layers, conv, args.policy)
     name = Path(args.model).name if args.model else M.default_model_dir().name
     t, h = dump(

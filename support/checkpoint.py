@@ -181,7 +181,9 @@ def hf_config(c: dict) -> dict:
 
 class Tokenizer:
     """A thin wrapper over a Hugging Face `tokenizers` file: encode/decode, the special ids and,
-    when the folder's tokenizer_config.json has one, the checkpoint's chat template."""
+    when the folder's tokenizer_config.json has one, the checkpoint's chat template (the one this
+    project applies). `hf_chat_template` is the template transformers reads, which may also sit
+    in chat_template.jinja (the embedded folder's does: support/embedded.py)."""
 
     def __init__(self, path: Path, bos_id: Optional[int] = None, eos_ids=()):
         from tokenizers import Tokenizer as _Tok
@@ -201,6 +203,8 @@ class Tokenizer:
             raise UsageError(f"{str(cfg)!r} is not valid JSON ({e}); {rebuild(folder)}") from None
         if not isinstance(self.config, dict):
             raise UsageError(f"{str(cfg)!r} is not a JSON object; {rebuild(folder)}")
+        jinja = Path(path).with_name("chat_template.jinja")
+        self.template_file = jinja.read_text() if jinja.is_file() else None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list:
         # the tokenizer's own post-processor decides about BOS (Llama-3 adds it, SmolLM2 does not)
@@ -210,17 +214,26 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(self.config.get("chat_template"))
 
-    def chat(self, user: str) -> str:
-        """`user` as the one user turn of the checkpoint's chat template, with the generation
-        prompt: the text transformers' `apply_chat_template(..., add_generation_prompt=True)`
-        renders (jinja2 sandbox, trim_blocks, lstrip_blocks, loop controls). The text carries
-        its own special tokens: encode it with add_special_tokens=False. Needs jinja2."""
+    @property
+    def hf_chat_template(self):
+        """The chat template transformers' AutoTokenizer reads for this folder, or None:
+        chat_template.jinja when the folder has one (transformers 5.2
+        `PreTrainedTokenizerBase._from_pretrained`: "independent chat template file(s) ... take
+        priority over template entries in the tokenizer config"), else tokenizer_config.json's."""
+        return self.template_file or self.config.get("chat_template") or None
+
+    def chat(self, user: str, template=None, **variables) -> str:
+        """`user` as the one user turn of the checkpoint's chat template (or of `template`),
+        with the generation prompt: the text transformers' `apply_chat_template(...,
+        add_generation_prompt=True, **variables)` renders (jinja2 sandbox, trim_blocks,
+        lstrip_blocks, loop controls). The text carries its own special tokens: encode it with
+        add_special_tokens=False. Needs jinja2."""
         try:
             from jinja2.ext import loopcontrols
             from jinja2.sandbox import ImmutableSandboxedEnvironment
         except ImportError:
             raise UsageError("this checkpoint's chat template needs jinja2 (pip install jinja2)")
-        template = self.config["chat_template"]
+        template = template or self.config["chat_template"]
         # [{"name": "default", "template": ...}, ...]
         if isinstance(template, list):
             template = {t["name"]: t["template"] for t in template}["default"]
@@ -241,7 +254,8 @@ class Tokenizer:
         env.globals["raise_exception"] = raise_exception
         return env.from_string(template).render(
             messages=[{"role": "user", "content": user}], add_generation_prompt=True,
-            bos_token=special("bos_token") or "", eos_token=special("eos_token") or "")
+            bos_token=special("bos_token") or "", eos_token=special("eos_token") or "",
+            **variables)
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids), skip_special_tokens=True)

@@ -501,12 +501,37 @@ def reconstruction_prompt(tok) -> tuple:
     """KVzip's reconstruction prompt as ids (kvpress `KVzipPress.prepare`): the instruction for
     the first chunk, the one for later chunks, and the suffix (the chat template's text after
     the user turn; a newline for a tokenizer without one)."""
-    def enc(t):
-        """The ids of text t, no special tokens added."""
-        return tuple(tok.encode(t, add_special_tokens=False))
     suffix = "\n"
     if getattr(tok, "has_chat_template", False):
         mark = "dummy context\n" + "#" * 13
         suffix = tok.chat(mark).split(mark)[1]
+    return _repeat_ids(tok, suffix)
+
+
+def _repeat_ids(tok, suffix: str) -> tuple:
+    """(first instruction, later instruction, suffix) as ids, no special tokens added."""
+    def enc(t):
+        """The ids of text t, no special tokens added."""
+        return tuple(tok.encode(t, add_special_tokens=False))
     return (enc("\n\nRepeat the previous context exactly."),
             enc("\n\nRepeat the part of the previous context exactly, starting with"), enc(suffix))
+
+
+def kvpress_reconstruction(tok) -> tuple:
+    """(repeat, start): KVzip's reconstruction prompt (as `reconstruction_prompt`) and the first
+    prompt position it reconstructs, as kvpress 0.5.5's `KVzipPress.__call__` builds them from
+    the chat template transformers reads for the folder (`tok.hf_chat_template`, the embedded
+    model's chat_template.jinja included). With a template: rendered around one user turn
+    "dummy context" + "\n" + 13 "#" with the generation prompt and enable_thinking=False, the
+    text after that separator is the suffix and the text before "dummy context" the prefix,
+    whose token count is `start` (kvpress takes every prompt to open with the template's
+    prefix, as its pipeline builds it, and reconstructs from there); without one, the suffix
+    "\n" and start 0 (then this is `reconstruction_prompt`)."""
+    template = getattr(tok, "hf_chat_template", None)
+    if not template:
+        return _repeat_ids(tok, "\n"), 0
+    dummy = "dummy context"
+    separator = "\n" + "#" * len(dummy)
+    context, suffix = tok.chat(dummy + separator, template, enable_thinking=False).split(separator)
+    prefix = context.split(dummy)[0]
+    return _repeat_ids(tok, suffix), len(tok.encode(prefix, add_special_tokens=False))

@@ -207,3 +207,32 @@ def test_new_baselines_reproduce_kvpress_kept_sets(tiny, golden, name):
             len(set(counts)) > 1
             and sum(counts) == tiny.config.n_layers * tiny.config.n_kv_heads * golden["n_kept"]
         )
+
+
+def test_kvzip_with_a_chat_template_reproduces_kvpress(tiny, golden, tmp_path):
+    """On a copy of the tiny checkpoint with a chat template (chat_template.jinja, read first as
+    transformers does), `--conventions kvpress` follows kvpress 0.5.5's KVzipPress: the
+    template's prefix is not reconstructed and its suffix follows the repeat instruction, so
+    KVzip keeps exactly kvpress's sets there; the reconstruction prompt without the template
+    (the papers' conventions, which read a template from tokenizer_config.json only) keeps
+    others."""
+    folder = tmp_path / "tiny-llama-chat"
+    folder.mkdir()
+    for f in (GOLDEN / "tiny-llama").iterdir():
+        (folder / f.name).write_bytes(f.read_bytes())
+    (folder / "chat_template.jinja").write_text(golden["chat_template"])
+    tok = checkpoint.Tokenizer(folder / "tokenizer.json")
+    settings = oracle.conventions("kvpress", tok)
+    prefix = "<|im_start|>system\nYou are a tiny test model.<|im_end|>\n<|im_start|>user\n"
+    assert settings.repeat_from == len(prefix)          # one token per character
+    assert settings.repeat[2] == tuple(tok.encode("<|im_end|>\n<|im_start|>assistant\n"))
+    G = tiny.config.n_kv_heads
+
+    def kept_with(s):
+        cache = oracle.make_method("kvzip", golden["n_kept"], tiny.config.n_layers, s).prefill(
+            tiny, torch.tensor([golden["tokens"]]))
+        return [[lc.dense(G).pos[0, g][lc.dense(G).pos[0, g] >= 0].tolist() for g in range(G)]
+                for lc in cache.layers]
+    assert kept_with(settings) == golden["kept"]["kvzip_template"]
+    without = P.RuleSettings(**{**P.KVPRESS.__dict__, "repeat": tasks.reconstruction_prompt(tok)})
+    assert kept_with(without) != golden["kept"]["kvzip_template"]

@@ -11,7 +11,9 @@ fixed seed, with a character-level tokenizer: id = the ASCII code, no chat templ
 positions at compression ratio 0.5 of SnapKV, StreamingLLM, TOVA, K-norm and Expected Attention
 (presses that shrink the cache: recovered by matching each kept key to the prompt's full keys),
 and of AdaKV over SnapKV and KVzip (presses that mask: each head keeps what its
-`masked_key_indices` do not name).
+`masked_key_indices` do not name); and KVzip's once more on a copy of the folder given a chat
+template (`kvzip_template`; the template is `chat_template` in the JSON): kvpress's KVzipPress
+then skips the template's prefix and puts its suffix after the repeat instruction.
 """
 import json
 import sys
@@ -25,6 +27,12 @@ sys.path.insert(0, str(HERE.parent.parent))
 import model as M  # noqa: E402
 
 T, RATIO, SEED = 200, 0.5, 0
+# a chat template in SmolLM2's form, in the characters the tiny tokenizer knows
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
 
 
 def tiny_checkpoint(folder: Path):
@@ -43,7 +51,25 @@ def tiny_checkpoint(folder: Path):
     (folder / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))
 
 
+def masked_kept(hf, name_or_path, press, ids):
+    """Per layer and KV head the positions a masking press (AdaKV, KVzip) keeps on ids."""
+    from transformers import DynamicCache
+    hf.config.name_or_path = str(name_or_path)         # where KVzipPress reads the tokenizer
+    cache = DynamicCache()
+    with torch.no_grad(), press(hf):
+        hf(ids, past_key_values=cache)
+    G = hf.config.num_key_value_heads
+    per_layer = []
+    for l in range(hf.config.num_hidden_layers):
+        _, heads, seqs = hf.model.layers[l].self_attn.masked_key_indices
+        per_layer.append([sorted(set(range(T)) - set(seqs[heads == g].tolist())) for g in range(G)])
+    return per_layer
+
+
 def main():
+    import shutil
+    import tempfile
+
     import kvpress
     import transformers
     from transformers import DynamicCache, LlamaForCausalLM
@@ -75,10 +101,15 @@ def main():
             assert float(d.min(-1).values.max()) < 1e-5, "a kept key matches no prompt key"
             per_layer.append([sorted(row.tolist()) for row in d.argmin(-1)])
         kept[name] = per_layer
+    with tempfile.TemporaryDirectory() as tmp:          # the same checkpoint with a chat template
+        chat = Path(tmp) / "tiny-llama-chat"
+        shutil.copytree(folder, chat)
+        (chat / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+        kept["kvzip_template"] = masked_kept(hf, chat, kvpress.KVzipPress(RATIO), ids)
     out = {"kvpress": kvpress.__version__ if hasattr(kvpress, "__version__") else "0.5.5",
            "transformers": transformers.__version__, "torch": torch.__version__,
            "compression_ratio": RATIO, "T": T, "n_kept": len(kept["snapkv"][0][0]),
-           "tokens": ids[0].tolist(), "kept": kept}
+           "tokens": ids[0].tolist(), "kept": kept, "chat_template": CHAT_TEMPLATE}
     (HERE / "kvpress_kept.json").write_text(json.dumps(out))
     print(f"wrote {HERE / 'kvpress_kept.json'}: kvpress {out['kvpress']}, transformers {out['transformers']}")
 
