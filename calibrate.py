@@ -46,8 +46,9 @@ rounded.
 - CLI threads: one by default. The probes are 64-row matmuls; on the shared 2-core machine two
   intra-op threads made them about 4x *slower* (prefill probes 140 s -> over 9 min).
 - Pool: every rule of the table but the random floor (`polykv.pool(baselines.RULES)`:
-  streaming, h2o, tova, snapkv, knorm, expected, kvzip), all probed at the same budget B. Not pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the
-  allocation side.
+  streaming, h2o, tova, snapkv, knorm, expected, kvzip), all probed at the same budget B. Not
+  pyramidkv: at a fixed layer budget it *is* snapkv; its schedule belongs to the allocation
+  side.
 - Decode: probed after the prefill rules are chosen. Layer l's prompt is compressed to B by its
   chosen prefill rule, then the n continuation tokens run with decode rule d ∈ {streaming, h2o,
   tova} at decode budget B, so d evicts once per token (n evictions). `append` is not a rule at

@@ -132,7 +132,7 @@ def colsum(A, w: int):             # Σ_{all i} A[h,i,j]: H2O's heavy-hitter sco
     return A.sum(2)
 
 
-def window(A, w: int):             # Σ_{i ≥ T−w} A[h,i,j]: SnapKV's observation window (B, H, T)
+def window(A, w: int):             # Σ_{i ≥ T−w} A[h,i,j]: SnapKV's window (B, H, T)
     return A[:, :, -w:].sum(2)
 
 

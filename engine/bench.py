@@ -2,11 +2,10 @@
 
 `python -m engine.bench` on the embedded model, natural-text prompts from the test split:
 1. observation, at each `--length`: the plain FullKV prefill vs the shared prefill that
-   observes for every default method (or `--methods`) at once (engine/observe.observe_for: column sums,
-   window sums, last row, query statistics, GraceKV's probes and flow), KVzip's reconstruction
-   pass timed apart (charged to the methods that read it) beside the same pass without its
-   scores, and each method's compression at `--budget` with the peak resident memory while it
-   runs;
+   observes for every default method (or `--methods`) at once (engine/observe.observe_for: column
+   sums, window sums, last row, query statistics, GraceKV's probes and flow), KVzip's reconstruction
+   pass timed apart (charged to the methods that read it) beside the same pass without its scores,
+   and each method's compression at `--budget` with the peak resident memory while it runs;
 2. decoding: FullKV ms per generated token at 128, 2K and 8K tokens of context, and SnapKV at
    B = 512 after the 8K prompt next to FullKV at the same 512 + window context;
 3. Hugging Face transformers' decoding at 2K on the same checkpoint, when it is installed

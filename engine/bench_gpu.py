@@ -1,10 +1,9 @@
 """The GPU run, prepared: time and peak memory of every stage on a Llama-3.1-8B-shaped model.
 
-`python -m engine.bench_gpu` on one CUDA GPU: random weights in the shape of Llama-3.1-8B (32 layers,
-32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocab 128256, Llama-3 RoPE scaling), bf16,
-a `--length`-token random prompt (16K by default). It prints one row per stage, with its
-seconds, tokens per second and the GPU's peak memory (torch.cuda.max_memory_allocated) while it
-ran:
+`python -m engine.bench_gpu` on one CUDA GPU: random weights in the shape of Llama-3.1-8B (32
+layers, 32 query / 8 KV heads of 128, hidden 4096, MLP 14336, vocab 128256, Llama-3 RoPE scaling),
+bf16, a `--length`-token random prompt (16K by default). It prints one row per stage, with its
+seconds, tokens per second and the GPU's peak memory (torch.cuda.max_memory_allocated) while it ran:
 - the plain prefill, and the shared prefill observing for every default method (KVzip's
   reconstruction pass included);
 - each default method's compression at `--budget` (PolyKV as a policy mixing the pool rules,

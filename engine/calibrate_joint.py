@@ -1,4 +1,5 @@
-"""PolyKV past the paper: a calibration that sees the other layers (`python -m engine.calibrate_joint`).
+"""PolyKV past the paper: a calibration that sees the other layers
+(`python -m engine.calibrate_joint`).
 
 The paper's calibration (calibrate.py) probes each layer alone, every other layer FullKV, and
 ranks rules by that layer's output cosine. On the embedded model this puts StreamingLLM on a

@@ -58,7 +58,7 @@ def uniform_baselines(model, refs: list, budget: int, settings: RuleSettings,
     return {"uniform_dppl": dppl, "uniform_memory": UNIFORM_MEMORY}
 
 
-# ------------------------------------------------------------------ the paper's procedure, as run here
+# -------------------------------------------------------------- the paper's procedure, as run here
 
 def calibrate_paper(model, tok, budget: int, seed: int = 0, n_prompts: int = 2,
                     prompt_len: int = calibrate.PROMPT_LEN, cont_len: int = calibrate.CONT_LEN,

@@ -3,8 +3,8 @@ memory-efficient on a GPU) in place of model.attention, wherever it gives the sa
 
 The naive form it replaces is `model.attention` (softmax(q kᵀ/√D + bias + causal) v, the
 softmax in fp32); `model.layer_attention` with engine/fast.py's SPEED calls `attention_sdpa`
-and falls back to the naive form where it returns None. Tested equal to it (tests/test_model.py), and
-`step_facts` equal to `kernel_facts` read after the append (tests/test_sync.py).
+and falls back to the naive form where it returns None. Tested equal to it (tests/test_model.py),
+and `step_facts` equal to `kernel_facts` read after the append (tests/test_sync.py).
 
 Which fused call applies depends on the cache (a fresh prefill, a decoding step over plain
 tokens, a cache with gaps or prototypes): `kernel_facts` reads that off the tensors on the

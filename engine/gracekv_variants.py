@@ -253,8 +253,9 @@ def variant(name: str, budget: int, memo=None) -> GK.GraceKV:
     """The GraceKV row `name` at `budget` as the harness runs it (engine/gracekv_fast.fast;
     memo: a gracekv_fast.context_memo shared by the rows of one prompt); a setting out of its
     range is a UsageError that names the row."""
+    over = overrides(name)
     try:
-        settings, formulas = build(overrides(name))
+        settings, formulas = build(over)
     except UsageError as e:
         raise UsageError(f"{name}: {e}") from None
     return GF.fast(budget, settings, formulas, memo, FAST)

@@ -274,7 +274,8 @@ def run_item(
         for p in protocols
     }
     # one prefill observes for every protocol: prompt and context read the whole prompt,
-    # agnostic its prefix + context, rows and keys before the question (engine/observe.observe_prefixes)
+    # agnostic its prefix + context, rows and keys before the question
+    # (engine/observe.observe_prefixes)
     if item.split is not None:
         T = item.tokens.shape[1]
         ends = (T,) * any(asked.get(p) for p in ("prompt", "context")) \
@@ -306,7 +307,8 @@ def run_protocol(model, tok, methods: Methods, item: Item, protocol: str, todo: 
 
     shared (the protocols of one item): {"for": the (method, budget) pairs of all of them,
     "ends": the prompt lengths observed, T for prompt and context, b for agnostic}; the one
-    observation (engine/observe.observe_prefixes) and the FullKV references of the first question, made
+    observation (engine/observe.observe_prefixes) and the FullKV references of the first question,
+    made
     by the first protocol run, are kept there for the others. prefill_s is that one pass, the
     same in every protocol's rows of the item."""
     T = item.tokens.shape[1]

@@ -1,8 +1,8 @@
 """Peak memory of each stage, by one formula and by measurement (docs/memory.md).
 
 Stages: the plain FullKV prefill; the shared observation for every default method but KVzip
-(`engine/observe.observe`: column sums, window sums, last row, Expected Attention's query statistics,
-GraceKV's probes and value flow, the surprisal); KVzip's reconstruction pass
+(`engine/observe.observe`: column sums, window sums, last row, Expected Attention's query
+statistics, GraceKV's probes and value flow, the surprisal); KVzip's reconstruction pass
 (`baselines.reconstruct`); each default method's compression of the FullKV cache.
 
 The formula (`stages`) adds the bytes of the tensors a stage holds at its worst moment, read off

@@ -109,7 +109,8 @@ def observe_layer(q, q_pos, lc, names, window: int, chunk: int, extra=(), layer:
             if "colsum" in names:
                 stats["colsum"][..., :r1] += pe.sum(2)               # Σ_{all i} A[h,i,j]
             if "window" in names and r1 > e - window:
-                stats["window"][..., :r1] += pe[:, :, max(0, e - window - r0):].sum(2)  # i ≥ e−w
+                # i ≥ e−w
+                stats["window"][..., :r1] += pe[:, :, max(0, e - window - r0):].sum(2)
             if "last" in names and r1 == e:
                 stats["last"] = F.pad(pe[:, :, -1], (0, e - r1))     # A[h,e−1,j]
             for name, statistic in extra:     # a chunk holding a row the statistic reads

@@ -20,13 +20,13 @@ attention kernels over the same kept set. Probe queries are each layer's own que
 FullKV pass; they see the compressed cache's entries with position <= theirs.
 
 `compare(a, b)` (files of the same prompt, --probes and --decode; else "cannot compare", exit 2)
-reports per unit exact-set agreement, Jaccard, where two selections first differ
-(the rank in a's score order and the score margin to a's selection boundary there: a near-tie is
-not a bug), the largest bias difference on shared entries and the attention-output error
-‖out_a − out_b‖ / ‖full_out‖ per layer; `passed` needs every unit equal and that error
-below `tol`. Command line: `python -m engine.oracle dump ...` and `python -m engine.oracle compare A B` (exit 0
-on pass, 1 on fail, 2 when it could not compare: support/cli.py). README "Test your
-implementation against this one" shows the format from the other side.
+reports per unit exact-set agreement, Jaccard, where two selections first differ (the rank in a's
+score order and the score margin to a's selection boundary there: a near-tie is not a bug), the
+largest bias difference on shared entries and the attention-output error ‖out_a − out_b‖ /
+‖full_out‖ per layer; `passed` needs every unit equal and that error below `tol`. Command line:
+`python -m engine.oracle dump ...` and `python -m engine.oracle compare A B` (exit 0 on pass, 1 on
+fail, 2 when it could not compare: support/cli.py). README "Test your implementation against this
+one" shows the format from the other side.
 """
 from __future__ import annotations
 

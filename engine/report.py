@@ -413,6 +413,8 @@ def paired_rows(folders, mine: list, proto: str) -> list:
     pair with this run's rows `mine`: of protocol `proto`, of a method this run does not compute
     itself (its own rows, finished or not, are never mixed with another code's), under a key it
     has not. The rows a run pairs with, read where they were computed, never copied."""
+    if not folders:
+        return []
     have = {r["key"] for r in mine}
     own = {r["method"] for r in mine}
     out = []

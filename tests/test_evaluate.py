@@ -515,7 +515,7 @@ def test_gap_recovered_needs_a_gap_and_the_best_uniform_is_named_by_its_row():
     score = {"full": lambda i: 100, "kvzip-uniform": lambda i: 100, "kvzip": lambda i: 100,
              "polykv": lambda i: 50}
     names = list(kl)
-    summary = report.summarize(fake_rows(kl, score), names, [64], E.baselines(), ["polykv"])
+    summary = report.summarize(fake_rows(kl, score), names, [64], H.baselines(), ["polykv"])
     md = report.table(summary, names, [64], ["niah_single_1"])
     assert "B = 64, fidelity KL minus the best uniform (row kvzip), paired 95 % CI: " in md
     gap = {line.split(": ")[0]: line for line in md.splitlines() if " gap recovered on " in line}

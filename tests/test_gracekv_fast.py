@@ -106,7 +106,7 @@ def test_each_protocol_equals_the_paper_path(protocol, name):
     settings, formulas = row(name)
     method = GF.fast(budget, settings, formulas, GF.context_memo(), V.FAST)
     end = b if protocol == "agnostic" else T
-    needs = P.union([method.needs(m)], m.config.n_layers)
+    needs = OB.union([method.needs(m)], m.config.n_layers)
     full, obs = OB.observe_prefixes(m, x[:, :T], needs, (T, end))[end]
     naive_full, flow = GK.observe(m, x[:, :end], settings, formulas)
     if protocol == "context":
@@ -159,7 +159,8 @@ def test_embedded_model_at_2048_tokens_equals_the_paper_path(embedded):
     default = dict(GK.Settings().__dict__)
     names, budget = ("gracekv", "gracekv-hole"), 128
     fast = [GF.fast(budget, *row(name, default), GF.context_memo(), V.FAST) for name in names]
-    full, obs = OB.observe(m, x, P.union([method.needs(m) for method in fast], m.config.n_layers))
+    needs = OB.union([method.needs(m) for method in fast], m.config.n_layers)
+    full, obs = OB.observe(m, x, needs)
     observed = GK.observe(m, x, *row("gracekv", default))
     for name, method in zip(names, fast):
         a = method.compress(m, full, obs)
