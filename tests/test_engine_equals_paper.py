@@ -179,6 +179,6 @@ def test_engine_equals_paper_on_the_embedded_model(embedded):
             assert_same(paper[key], got, name, atol=2e-3)
     # fp32: the two paths sum in other orders, so an entry whose score ties the budget's
     # threshold to rounding may flip: at most one entry of one unit per (method, protocol)
-    print("units apart:", apart)
+    # (measured: one entry of one unit, layer 13 head 2 of kvzip-uniform under agnostic)
     assert all(len(u) == 1 and u[0][2] == 1 for u in apart.values()), apart
     assert len(apart) <= 2, apart
