@@ -424,8 +424,10 @@ def policy_press(policy: P.Policy, n_layers: int) -> tuple:
         layers = [l for l, p in enumerate(plans) if p.decode == rule]
         if rule == "append":
             continue
-        how = ("kvpress's StreamingLLMPress scores" if rule == "streaming"
-               else f"this project's {rule} decode form")
+        how = {"streaming": "kvpress's StreamingLLMPress scores",
+               "tova": "this project's TOVA form (kvpress's TOVAPress keeps the newest token)",
+               "h2o": "this project's H2O running sums (kvpress has no H2O press)"}.get(
+                   rule, f"this project's {rule} decode form")
         notices.append(f"decode, layers {', '.join(map(str, layers))}: {rule} evicts back to "
                        f"the decode budget after every step through kvpress's DecodingPress "
                        f"(compression_interval 1), scored by {how}")
