@@ -163,9 +163,10 @@ def test_signals_equal_naive_probes(seed):
     assert sig["ppl_full"] == pytest.approx(ppl_full, abs=tol)
     for l in range(L):
         assert sig["entropy"][l] == pytest.approx(sum(r[1][l] for r in refs) / len(refs), rel=1e-9)
-    chosen = C.best_rules(sig["prefill"], P.pool(BL.RULES), "cosine")
+    pool = P.pool(BL.RULES)
+    chosen = C.best_rules(sig["prefill"], pool, "cosine")
     assert chosen == [
-        max(P.pool(BL.RULES), key=lambda r: (sig["prefill"]["cosine"][r][l], -P.pool(BL.RULES).index(r)))
+        max(pool, key=lambda r: (sig["prefill"]["cosine"][r][l], -pool.index(r)))
         for l in range(L)
     ]
     # uniform baselines at equal memory: a fresh prefill compressed by the rule, then the
@@ -289,8 +290,10 @@ def test_one_rule_uniform_budgets_equals_uniform_policy(rule):
         uni = P.Policy.uniform(rule, B, L, decode="tova", settings=SET, rules=BL.RULES)
     assert pol.layers == uni.layers
     pairs = [(pol, uni), (EC.pattern_only(pol), uni),
-             (EC.budget_only(pol, rule), P.Policy.uniform(rule, B, L, settings=SET, rules=BL.RULES)),
-             (EC.prefill_only(pol), P.Policy.uniform(rule, B, L, decode="append", settings=SET, rules=BL.RULES))]
+             (EC.budget_only(pol, rule),
+              P.Policy.uniform(rule, B, L, settings=SET, rules=BL.RULES)),
+             (EC.prefill_only(pol),
+              P.Policy.uniform(rule, B, L, decode="append", settings=SET, rules=BL.RULES))]
     for p, q in pairs:
         a, b = P.prefill(m, tokens[:, :T], p), P.prefill(m, tokens[:, :T], q)
         for la, lb in zip(a.layers, b.layers):

@@ -88,7 +88,8 @@ MODELS = {
 def files(tmp_path_factory, tiny_dir):
     """What the bad inputs point at: a plain file, a policy that names another model, a run
     folder with a garbled middle line, a LongBench folder whose question is longer than half
-    the tiny model's prompt limit (1024 − 256 tokens), a policy for engine.policy_tables, one whose budget is
+    the tiny model's prompt limit (1024 − 256 tokens), a policy for engine.policy_tables, one whose
+    budget is
     a string, an empty LongBench file, damaged copies of the tiny model (MODELS)."""
     d = tmp_path_factory.mktemp("bad")
     (d / "file").write_text("not a folder")

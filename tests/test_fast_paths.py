@@ -193,7 +193,8 @@ def test_prefetched_budget_flow_equals_the_paper_loop(seed, variant):
 def test_the_whole_pipeline_runs_on_the_naive_forms_alone():
     """Every method that needs no calibration, and a mixed per-layer PolyKV policy, run end to
     end on the naive forms alone (the explicit attention and concatenating appends,
-    `model.Llama(cfg)` (no speed handed in); each layer's statistics from its whole attention matrix,
+    `model.Llama(cfg)` (no speed handed in); each layer's statistics from its whole attention
+    matrix,
     `OB.observe_layer_whole`; GraceKV's node statistics and budget flow one node at a time,
     `gracekv.node_statistics`, `gracekv.allocate`)
     keep the same sets and decode the same logits, to rounding, as with every fast path on.

@@ -98,7 +98,8 @@ def test_each_protocol_equals_the_paper_path(protocol, name):
     """Under each protocol (support/protocols.py) as evaluate.run_protocol runs it: `context`
     cuts the shared observation (ValueFlow.cut) and the paper's Flow alike (cut_flow) to the
     context, compresses it and joins the exact prefix and question back; `agnostic` observes the
-    prefix + context within the whole prompt's pass (engine/observe.observe_prefixes) where the paper
+    prefix + context within the whole prompt's pass (engine/observe.observe_prefixes) where the
+    paper
     observes it alone, then feeds the question. Same kept sets, same logits (fp64)."""
     m = tiny(3)
     T, a, b, budget = 120, 7, 110, 24

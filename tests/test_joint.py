@@ -61,7 +61,8 @@ def test_joint_scores_equal_naive_runs(seed, signal):
     sig = J.measure_joint(m, tx, B, signal=signal, settings=SET)
     for r in P.pool(BL.RULES):                                   # every uniform rule, end to end
         assert sig["uniform_kl"][r] == pytest.approx(
-            naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES)), rel=1e-4, abs=1e-7
+            naive_kl(m, tx, P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES)),
+            rel=1e-4, abs=1e-7
         )
     assert sig["uniform_kl"][sig["start"]] == min(sig["uniform_kl"].values())
     uni = J.policy_of(sig["rules"], [B] * L, SET)      # the chosen rules at the uniform budget
@@ -165,7 +166,8 @@ def test_retrieval_objective_equals_naive_runs(seed, retrieval):
     sig = pol.meta["signals"]
     for r in P.pool(BL.RULES):
         assert sig["uniform_probe"][r] == pytest.approx(
-            naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES)), rel=1e-4, abs=1e-7
+            naive_probe(m, probes, P.Policy.uniform(r, B, L, settings=SET, rules=BL.RULES)),
+            rel=1e-4, abs=1e-7
         )
     assert sig["final"]["kl"] == pytest.approx(naive_kl(m, tx, pol), rel=1e-4, abs=1e-7)
     assert sig["final"]["probe"] == pytest.approx(naive_probe(m, probes, pol), rel=1e-4, abs=1e-7)

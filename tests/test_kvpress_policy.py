@@ -135,8 +135,8 @@ def test_pipeline_keeps_what_policy_compress_keeps(embedded, pipe, T, protocol):
     context, question = fitted(pipe, tok, T, protocol)
     ctx, q_ids, text, asked = KP.inputs(pipe, context, question, protocol)
     assert ctx.shape[1] == T
-    policies = [KP.as_in_kvpress(p, tok) for p in (P.Policy.load(SHIPPED, n_layers=30, rules=BL.RULES),
-                                                  constructed())]
+    shipped = P.Policy.load(SHIPPED, n_layers=30, rules=BL.RULES)
+    policies = [KP.as_in_kvpress(p, tok) for p in (shipped, constructed())]
     full, obs = OB.observe_for(m, ctx, policies)       # one observation (and KVzip pass) for both
     for name, policy in zip(("shipped", "constructed"), policies):
         press, _ = KP.policy_press(policy, 30)

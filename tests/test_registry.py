@@ -40,7 +40,8 @@ def test_registered_rule_is_calibrated_shown_and_plotted(latest, tmp_path, capsy
     m = tiny(2)
     pol = calibrate_paper(m, None, B, texts=texts(2), settings=SET)
     sig = pol.meta["signals"]
-    assert list(sig["prefill"]["cosine"]) == list(P.pool(BL.RULES)) and latest in sig["uniform_dppl"]
+    assert list(sig["prefill"]["cosine"]) == list(P.pool(BL.RULES))
+    assert latest in sig["uniform_dppl"]
     # the plot and --show see a pool of six: force the new rule into two layers' routes
     layers = [P.LayerPolicy((latest if l % 2 else lp.prefill.rule, lp.prefill.budget), lp.decode)
               for l, lp in enumerate(pol.layers)]

@@ -82,7 +82,8 @@ def test_knorm_keeps_the_lowest_key_norms():
     m, T, budget = tiny(2), 25, 7
     x = torch.randint(1, 50, (1, T), generator=torch.Generator().manual_seed(2))
     full = M.prefill(m, x)
-    cache = P.Policy.uniform("knorm", budget, m.config.n_layers, settings=SET, rules=BL.RULES).prefill(m, x)
+    pol = P.Policy.uniform("knorm", budget, m.config.n_layers, settings=SET, rules=BL.RULES)
+    cache = pol.prefill(m, x)
     for lf, lc in zip(full.layers, cache.layers):
         norms = lf.k[0].norm(dim=-1)                                          # (G, T)
         for g in range(m.config.n_kv_heads):

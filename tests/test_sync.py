@@ -60,7 +60,7 @@ def test_a_step_reads_the_device_once_whatever_the_depth(L):
     assert names == ["tolist"]
     _, names = reads(M.greedy, m, cache.fork(), 3)
     assert names == ["__int__", "tolist"] * 3
-    pol = P.Policy.uniform("h2o", 10, L, settings=SET, rules=BL.RULES)                        # evicts every step
+    pol = P.Policy.uniform("h2o", 10, L, settings=SET, rules=BL.RULES)       # evicts every step
     small = pol.prefill(m, x[:, :24])
     _, names = reads(M.teacher_force, m, small, x[:, 24:], pol.decoder, True)
     assert names == ["tolist"] * 5 + ["__int__"]
