@@ -13,10 +13,15 @@
 4. peak resident memory of the process;
 5. with `--per-prompt LENGTH` (alone with `--only-per-prompt`): the cost of a reference run's
    prompt. One fidelity prompt and one prompt of two tasks (the one whose answers are decoded,
-   niah_single_1, and vt) of the 8K run `results/long/` (its README.md has the command), each
-   run by evaluate.run_item with every method, budget and protocol of that run, at LENGTH tokens
-   instead of 8,000; the time split into the shared prefill, KVzip's reconstruction pass, the
-   compressions and decoding, and the whole run's wall time projected from it.
+   niah_single_1, and vt) of the 8K reference run `results/reference-8k/` (its README.md has
+   the command), each run by evaluate.run_item with every method, budget and protocol of that
+   run, at LENGTH tokens instead of 8,000; the time split into the shared prefill, KVzip's
+   reconstruction pass, the compressions and decoding, and the whole run's wall time projected
+   from it;
+6. with `--stages` (and `--per-prompt LENGTH`): the same three prompts' CPU seconds by
+   protocol and stage (`Stages`: observation, KVzip's passes, GraceKV's compressions, the
+   other compressions, questions fed, teacher forcing and greedy answers on FullKV-sized and
+   compressed caches).
 Each figure is the median of `--repeat` runs; the two prefills of 1. are timed in interleaved
 pairs and their ratio is the median of the pairs' ratios.
 """
@@ -173,8 +178,8 @@ def observation(m, tok, length: int, made: dict, budgets: list, repeat: int):
 
 # ----------------------------------------------------------------------------- 5. per prompt
 
-# the reference run of results/long/ (its README.md) as evaluate.py's arguments, less --out and
-# --plot; --length, --fidelity-length, --methods, --threads and --model are set on top of it
+# the 8K reference run of results/reference-8k/ (its README.md) as evaluate.py's arguments,
+# less --out; --length, --fidelity-length, --methods, --threads and --model are set on top of it
 REFERENCE_RUN = [
     "--split", "test", "--threads", "1", "--budget", "64,128,512",
     "--protocol", "prompt,context,agnostic",
@@ -183,7 +188,9 @@ REFERENCE_RUN = [
     "--tasks", "niah_single_1,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe",
     "--length", "8000", "--samples", "16",
     "--fidelity-length", "7936", "--fidelity-samples", "16", "--greedy", "niah_single_1",
-    "--cache-dir", str(Path(__file__).resolve().parent / "results" / "long" / "policies"),
+    "--calibration-length", "8000",
+    "--cache-dir", str(Path(__file__).resolve().parent.parent / "results" / "reference-8k"
+                       / "policies"),
 ]
 REFERENCE_RANKS = 2         # torchrun --nproc_per_node 2, each rank --threads 1
 FIDELITY_SHORTER = 64       # 7,936 = 8,000 - 64: the fidelity prompt + its 64 forced tokens
@@ -224,6 +231,108 @@ class Observed:
 
     def __exit__(self, *exc):
         OB.observe_prefixes = self.observe
+
+
+class Stages:
+    """Within `with`: the CPU seconds (time.process_time: this process's own, so that other jobs on
+    the machine count little) of what the harness runs, by (protocol, stage), each stage its own
+    time without the stages it calls: the shared observation ("observation"), KVzip's
+    reconstruction passes ("KVzip passes"), GraceKV's compressions, the other compressions, a
+    question fed to a cache after it ("question fed": agnostic), teacher forcing and greedy
+    answers, each on a cache of more than `full_from` entries per (layer, KV head) ("FullKV")
+    or fewer ("compressed"). The observation, shared by the protocols of a prompt, is charged
+    to the first one run."""
+
+    def __init__(self, full_from: int):
+        self.full_from, self.seconds, self.protocol = full_from, {}, None
+        self.inner = [0.0]                         # per open stage: its callees' seconds
+
+    def stage(self, name_of, fn):
+        def timed_call(*args, **kw):
+            self.inner.append(0.0)
+            t0 = time.process_time()
+            try:
+                return fn(*args, **kw)
+            finally:
+                spent = time.process_time() - t0
+                key = (self.protocol, name_of(*args, **kw))
+                self.seconds[key] = self.seconds.get(key, 0.0) + spent - self.inner.pop()
+                self.inner[-1] += spent
+        return timed_call
+
+    def size(self, cache) -> str:
+        return "FullKV" if cache.layers[0].k.shape[2] > self.full_from else "compressed"
+
+    def __enter__(self):
+        import gracekv as GK
+        self.saved = [(OB, "observe_prefixes"), (BL, "reconstruct"), (M, "teacher_force"),
+                      (M, "greedy"), (M, "decode"), (H, "run_protocol"),
+                      (GK.GraceKV, "compress"), (P.Policy, "compress"), (P.Pyramid, "compress"),
+                      (BL.Headwise, "compress")]
+        self.saved = [(owner, name, getattr(owner, name)) for owner, name in self.saved]
+        stage = self.stage
+        OB.observe_prefixes = stage(lambda *a, **k: "observation", OB.observe_prefixes)
+        BL.reconstruct = stage(lambda *a, **k: "KVzip passes", BL.reconstruct)
+        M.teacher_force = stage(lambda m, cache, *a, **k: "teacher forcing " + self.size(cache),
+                                M.teacher_force)
+        M.greedy = stage(lambda m, cache, *a, **k: "greedy " + self.size(cache), M.greedy)
+        M.decode = stage(lambda *a, **k: "question fed", M.decode)
+        GK.GraceKV.compress = stage(lambda *a, **k: "GraceKV compression", GK.GraceKV.compress)
+        for cls in (P.Policy, P.Pyramid, BL.Headwise):
+            cls.compress = stage(lambda *a, **k: "other compressions", cls.compress)
+        run_protocol = H.run_protocol
+
+        def protocol_of(model, tok, methods, item, protocol, *args, **kw):
+            self.protocol = protocol
+            return run_protocol(model, tok, methods, item, protocol, *args, **kw)
+        H.run_protocol = protocol_of
+        return self
+
+    def __exit__(self, *exc):
+        for owner, name, value in self.saved:
+            setattr(owner, name, value)
+
+
+STAGES = ("observation", "KVzip passes", "GraceKV compression", "other compressions",
+          "question fed", "teacher forcing FullKV", "teacher forcing compressed",
+          "greedy FullKV", "greedy compressed")
+
+
+def staged_item(m, tok, methods, a, item):
+    """run_item on one item under Stages: ({protocol: {stage: CPU s}}, CPU s, wall s)."""
+    with Stages(full_from=item.tokens.shape[1] // 2) as st:
+        t0, w0 = time.process_time(), time.perf_counter()
+        H.run_item(m, tok, methods, a.methods, a.budget, item, set(), a.protocol)
+        cpu, wall = time.process_time() - t0, time.perf_counter() - w0
+    by = {}
+    for (protocol, stage), sec in st.seconds.items():
+        by.setdefault(protocol, dict.fromkeys(STAGES, 0.0))[stage] += sec
+    return by, cpu, wall
+
+
+def print_stages(m, tok, a, picks):
+    """The per-stage table of one prompt of each kind in `picks` ((task, label), ...)."""
+    torch.manual_seed(a.seed)
+    items = H.build_items(tok, a, m)
+    a.allowance = H.run_allowance(a, items)
+    methods = H.Methods(m, tok, a)
+    for b in a.budget:
+        for n in a.methods:
+            methods.get(n, b)
+    print(f"\nCPU seconds by stage (time.process_time, {torch.get_num_threads()} threads): "
+          f"{len(a.methods)} methods × budgets {','.join(map(str, a.budget))} × protocols "
+          f"{','.join(a.protocol)}; the shared observation under the first protocol run")
+    print("| prompt | protocol | " + " | ".join(STAGES) + " | total |")
+    print("|---|---|" + "---|" * (len(STAGES) + 1))
+    for task, label in picks:
+        item = next(it for it in items if it.task == task and it.index == 0)
+        by, cpu, wall = staged_item(m, tok, methods, a, item)
+        for protocol, sec in by.items():
+            print(f"| {label} | {protocol} | " + " | ".join(f"{sec[s]:.1f}" for s in STAGES)
+                  + f" | {sum(sec.values()):.1f} |")
+        print(f"| {label} | all | " + " | ".join(
+            f"{sum(sec[s] for sec in by.values()):.1f}" for s in STAGES)
+            + f" | {cpu:.1f} CPU s, {wall:.1f} wall s |", flush=True)
 
 
 def prompt_split(m, methods, item, rows, calls) -> dict:
@@ -308,7 +417,7 @@ def per_prompt(m, tok, a, harnesses=("now",)):
     greedy = a.greedy[0] if a.greedy else a.tasks[0]
     picks = [("fidelity", "fidelity #0"), (greedy, f"{greedy} #0 (answers decoded)"),
              (STAND_IN, f"{STAND_IN} #0")]
-    print(f"\nthe cost of a reference run's prompt (results/long/, evaluate.run_item): "
+    print(f"\nthe cost of a reference run's prompt (results/reference-8k/, evaluate.run_item): "
           f"{len(a.methods)} methods × budgets {','.join(map(str, a.budget))} × protocols "
           f"{','.join(a.protocol)}, {torch.get_num_threads()} threads")
     print("| harness | prompt | tokens | rows | prefixes observed | prefill s | KVzip recon s "
@@ -359,7 +468,7 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--per-prompt", type=int, default=None, metavar="LENGTH",
-                    help="5.: the cost of a prompt of the reference run results/long/ at LENGTH "
+                    help="5.: the cost of a prompt of the reference run results/reference-8k/ at LENGTH "
                          "tokens (8000: the run's own) and the run's projected wall time")
     ap.add_argument("--only-per-prompt", action="store_true",
                     help="run 5. alone (with --per-prompt)")
@@ -368,9 +477,14 @@ def main(argv=None):
     ap.add_argument("--before", action="store_true",
                     help="5. also under the harness as it was: one observation for prompt and "
                          "context, another for agnostic, the attention computed twice")
+    ap.add_argument("--stages", action="store_true",
+                    help="6.: with --only-per-prompt, the per-stage CPU table of its three prompts "
+                         "instead of 5.")
     args = ap.parse_args(argv)
     if args.only_per_prompt and args.per_prompt is None:
         raise M.UsageError("--only-per-prompt needs --per-prompt LENGTH")
+    if args.stages and not args.only_per_prompt:
+        raise M.UsageError("--stages needs --only-per-prompt --per-prompt LENGTH")
     if args.per_prompt is not None:
         cli.at_least(FIDELITY_SHORTER + 1, per_prompt=args.per_prompt)
     # the reference run's arguments, checked by evaluate.py's parser before any work
@@ -397,6 +511,11 @@ def main(argv=None):
         f"model {model_name} · {L} layers · "
         f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}"
     )
+    if args.stages:
+        greedy = run.greedy[0] if run.greedy else run.tasks[0]
+        return print_stages(m, tok, run, [("fidelity", "fidelity #0"),
+                                          (greedy, f"{greedy} #0 (answers decoded)"),
+                                          (STAND_IN, f"{STAND_IN} #0")])
     if args.only_per_prompt:
         return per_prompt(m, tok, run, ("before", "now") if args.before else ("now",))
     settings = calibrate.with_prompt(P.RuleSettings(), tok)

@@ -1,7 +1,13 @@
-"""bench.py's projection of the reference run's wall time (section 5), on made-up timings."""
+"""bench.py's projection of the reference run's wall time (section 5), on made-up timings, and
+its per-stage split (section 6) on a tiny model."""
+from pathlib import Path
+
 import pytest
+import torch
 
 from engine import bench
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_mean_task_prompt_weights_each_measured_prompt_by_the_prompts_it_stands_for():
@@ -27,5 +33,38 @@ def test_the_reference_run_parses_as_evaluate_parses_it():
     assert a.length == [8000] and a.fidelity_length == [7936] and a.budget == [64, 128, 512]
     assert a.protocol == ["prompt", "context", "agnostic"] and a.greedy == ["niah_single_1"]
     assert len(a.methods) == 15 and len(a.tasks) == 7 and a.samples == a.fidelity_samples == 16
-    assert a.cache_dir.endswith("results/long/policies")
+    # the run's own 8,000-token policies, both procedures at each budget
+    assert a.calibration_length == 8000
+    files = sorted(f.name for f in Path(a.cache_dir).glob("*.json"))
+    assert Path(a.cache_dir) == ROOT / "results" / "reference-8k" / "policies"
+    assert files == sorted(f"polykv{p}-SmolLM2-135M-Instruct-B{b}-T8000-seed0-dev2.json"
+                           for p in ("", "-joint") for b in (64, 128, 512))
     assert bench.reference_args(700, "full,snapkv").methods == ["full", "snapkv"]
+
+
+def test_stages_split_a_prompts_cpu_time_and_leave_the_harness_as_it_was(tiny_dir):
+    """bench.Stages on a tiny model: every stage the prompt runs is timed under its protocol,
+    their own times add up to at most the whole call's CPU time, KVzip's passes and GraceKV's
+    compressions are apart from the observation and the other compressions, and every patched
+    function is back afterwards."""
+    import model as M
+    from engine import harness as H
+    from engine import observe as OB
+    before = (OB.observe_prefixes, M.teacher_force, M.greedy, H.run_protocol)
+    m, tok = M.load(tiny_dir, dtype=torch.float64)
+    a = H.parse(["--model", str(tiny_dir), "--dtype", "float64", "--budget", "16,32",
+                 "--protocol", "prompt,agnostic", "--methods", "full,snapkv,kvzip,gracekv",
+                 "--tasks", "niah_single_1", "--length", "480", "--samples", "1",
+                 "--fidelity-samples", "0", "--max-new-tokens", "2"])
+    items = H.build_items(tok, a, m)
+    a.allowance = H.run_allowance(a, items)
+    by, cpu, wall = bench.staged_item(m, tok, H.Methods(m, tok, a), a, items[0])
+    assert set(by) == {"prompt", "agnostic"}
+    for stage in ("observation", "KVzip passes", "GraceKV compression", "other compressions",
+                  "teacher forcing FullKV", "teacher forcing compressed", "greedy FullKV",
+                  "greedy compressed"):
+        assert by["prompt"][stage] > 0, stage
+    assert by["agnostic"]["question fed"] > 0 and by["agnostic"]["observation"] == 0
+    assert by["agnostic"]["KVzip passes"] == 0        # both prefixes' passes in the observation
+    assert sum(sum(s.values()) for s in by.values()) <= cpu + 1e-3
+    assert before == (OB.observe_prefixes, M.teacher_force, M.greedy, H.run_protocol)

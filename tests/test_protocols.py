@@ -380,3 +380,40 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
             )
             assert same == (p == "agnostic"), (name, p)
         meth.compress = plain
+
+
+def test_fullkv_decodes_once_for_every_budget_and_its_rows_equal_runs_of_their_own(
+        tiny_dir, monkeypatch):
+    """FullKV's cache and decoding do not depend on the budget: in one call over two budgets it
+    teacher-forces and answers once per protocol and question (plus the FullKV reference), and
+    every row equals the row of a call with that budget alone."""
+    m, tok = M.load(tiny_dir, dtype=torch.float64)
+    args = H.parse(
+        ["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks",
+         "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples", "0",
+         "--max-new-tokens", "2"]
+    )
+    args.allowance = 4096
+    it = [i for i in H.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
+    methods, protocols = H.Methods(m, tok, args), PR.PROTOCOLS
+
+    def strip(rows):
+        return {r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s")}
+                for r in rows}
+    greedy, calls = M.greedy, []
+
+    def counted(*a, **k):
+        calls.append(1)
+        return greedy(*a, **k)
+    monkeypatch.setattr(M, "greedy", counted)
+    together = strip(H.run_item(m, tok, methods, ["full", "snapkv"], [32, 64], it, set(),
+                                protocols))
+    once = len(calls)
+    alone = {}
+    for b in (32, 64):
+        alone.update(strip(H.run_item(m, tok, methods, ["full", "snapkv"], [b], it, set(),
+                                      protocols)))
+    assert together == alone and len(together) == 2 * 2 * 3 * 4
+    answers = 3 * 4                       # per protocol, the prompt's question and three more
+    # alone: FullKV and SnapKV answer at each budget; together: FullKV once
+    assert len(calls) - once == 2 * 2 * answers and once == 3 * answers
