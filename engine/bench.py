@@ -246,16 +246,23 @@ class Stages:
     def __init__(self, full_from: int):
         self.full_from, self.seconds, self.protocol = full_from, {}, None
         self.inner = [0.0]                         # per open stage: its callees' seconds
+        self.open = []                             # the open stages' names, innermost last
 
-    def stage(self, name_of, fn):
+    def stage(self, name_of, fn, within=None):
+        """fn timed as stage name_of(*args); a call from within a stage named in `within` is
+        that stage's own work (model.teacher_force and model.greedy feed tokens through
+        model.decode: that is teacher forcing and answering, not a question fed)."""
         def timed_call(*args, **kw):
+            if within and self.open and self.open[-1].startswith(within):
+                return fn(*args, **kw)
+            self.open.append(name_of(*args, **kw))
             self.inner.append(0.0)
             t0 = time.process_time()
             try:
                 return fn(*args, **kw)
             finally:
                 spent = time.process_time() - t0
-                key = (self.protocol, name_of(*args, **kw))
+                key = (self.protocol, self.open.pop())
                 self.seconds[key] = self.seconds.get(key, 0.0) + spent - self.inner.pop()
                 self.inner[-1] += spent
         return timed_call
@@ -276,7 +283,8 @@ class Stages:
         M.teacher_force = stage(lambda m, cache, *a, **k: "teacher forcing " + self.size(cache),
                                 M.teacher_force)
         M.greedy = stage(lambda m, cache, *a, **k: "greedy " + self.size(cache), M.greedy)
-        M.decode = stage(lambda *a, **k: "question fed", M.decode)
+        M.decode = stage(lambda *a, **k: "question fed", M.decode,
+                         within=("teacher forcing", "greedy"))
         GK.GraceKV.compress = stage(lambda *a, **k: "GraceKV compression", GK.GraceKV.compress)
         for cls in (P.Policy, P.Pyramid, BL.Headwise):
             cls.compress = stage(lambda *a, **k: "other compressions", cls.compress)

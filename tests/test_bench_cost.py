@@ -65,6 +65,7 @@ def test_stages_split_a_prompts_cpu_time_and_leave_the_harness_as_it_was(tiny_di
                   "greedy compressed"):
         assert by["prompt"][stage] > 0, stage
     assert by["agnostic"]["question fed"] > 0 and by["agnostic"]["observation"] == 0
+    assert by["prompt"]["question fed"] == 0          # teacher forcing's own decode steps
     assert by["agnostic"]["KVzip passes"] == 0        # both prefixes' passes in the observation
     assert sum(sum(s.values()) for s in by.values()) <= cpu + 1e-3
     assert before == (OB.observe_prefixes, M.teacher_force, M.greedy, H.run_protocol)
