@@ -318,8 +318,9 @@ def staged_item(m, tok, methods, a, item):
     return by, cpu, wall
 
 
-def print_stages(m, tok, a, picks):
-    """The per-stage table of one prompt of each kind in `picks` ((task, label), ...)."""
+def prepared(m, tok, a) -> tuple:
+    """(items, methods) of the run `a` as evaluate.main makes them: its items and allowance, every
+    method at every budget made (PolyKV's policies loaded) before any timer starts."""
     torch.manual_seed(a.seed)
     items = H.build_items(tok, a, m)
     a.allowance = H.run_allowance(a, items)
@@ -327,12 +328,31 @@ def print_stages(m, tok, a, picks):
     for b in a.budget:
         for n in a.methods:
             methods.get(n, b)
+    return items, methods
+
+
+def greedy_task(a) -> str:
+    """The task measured with its answers decoded: the first --greedy task (else the first)."""
+    return a.greedy[0] if a.greedy else a.tasks[0]
+
+
+def picks(a) -> list:
+    """The prompts measured, (task, label): one fidelity prompt, one of `greedy_task` (its
+    answers decoded) and one of STAND_IN."""
+    greedy = greedy_task(a)
+    return [("fidelity", "fidelity #0"), (greedy, f"{greedy} #0 (answers decoded)"),
+            (STAND_IN, f"{STAND_IN} #0")]
+
+
+def print_stages(m, tok, a):
+    """6.: the per-stage table of each of the `picks` prompts."""
+    items, methods = prepared(m, tok, a)
     print(f"\nCPU seconds by stage (time.process_time, {torch.get_num_threads()} threads): "
           f"{len(a.methods)} methods × budgets {','.join(map(str, a.budget))} × protocols "
           f"{','.join(a.protocol)}; the shared observation under the first protocol run")
     print("| prompt | protocol | " + " | ".join(STAGES) + " | total |")
     print("|---|---|" + "---|" * (len(STAGES) + 1))
-    for task, label in picks:
+    for task, label in picks(a):
         item = next(it for it in items if it.task == task and it.index == 0)
         by, cpu, wall = staged_item(m, tok, methods, a, item)
         for protocol, sec in by.items():
@@ -415,16 +435,8 @@ def per_prompt(m, tok, a, harnesses=("now",)):
     run by evaluate.run_item as evaluate.main runs it (the run's items, allowance and methods,
     PolyKV's policies loaded before the timers), under each harness (HARNESSES; interleaved
     per prompt), then the run projected from them."""
-    torch.manual_seed(a.seed)
-    items = H.build_items(tok, a, m)
-    a.allowance = H.run_allowance(a, items)
-    methods = H.Methods(m, tok, a)
-    for b in a.budget:
-        for n in a.methods:
-            methods.get(n, b)
-    greedy = a.greedy[0] if a.greedy else a.tasks[0]
-    picks = [("fidelity", "fidelity #0"), (greedy, f"{greedy} #0 (answers decoded)"),
-             (STAND_IN, f"{STAND_IN} #0")]
+    items, methods = prepared(m, tok, a)
+    greedy = greedy_task(a)
     print(f"\nthe cost of a reference run's prompt (results/reference-8k/, evaluate.run_item): "
           f"{len(a.methods)} methods × budgets {','.join(map(str, a.budget))} × protocols "
           f"{','.join(a.protocol)}, {torch.get_num_threads()} threads")
@@ -432,7 +444,7 @@ def per_prompt(m, tok, a, harnesses=("now",)):
           "| compress s | decoding s | total s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     total = {h: {} for h in harnesses}
-    for task, label in picks:
+    for task, label in picks(a):
         item = next(it for it in items if it.task == task and it.index == 0)
         for h in harnesses:
             s = timed_item(m, tok, methods, a, item, h)
@@ -476,8 +488,9 @@ def main(argv=None):
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--per-prompt", type=int, default=None, metavar="LENGTH",
-                    help="5.: the cost of a prompt of the reference run results/reference-8k/ at LENGTH "
-                         "tokens (8000: the run's own) and the run's projected wall time")
+                    help="5.: the cost of a prompt of the reference run results/reference-8k/ "
+                         "at LENGTH tokens (8000: the run's own) and the run's projected wall "
+                         "time")
     ap.add_argument("--only-per-prompt", action="store_true",
                     help="run 5. alone (with --per-prompt)")
     ap.add_argument("--per-prompt-methods", default=None,
@@ -520,10 +533,7 @@ def main(argv=None):
         f"{torch.get_num_threads()} threads · device {m.device} · median of {args.repeat}"
     )
     if args.stages:
-        greedy = run.greedy[0] if run.greedy else run.tasks[0]
-        return print_stages(m, tok, run, [("fidelity", "fidelity #0"),
-                                          (greedy, f"{greedy} #0 (answers decoded)"),
-                                          (STAND_IN, f"{STAND_IN} #0")])
+        return print_stages(m, tok, run)
     if args.only_per_prompt:
         return per_prompt(m, tok, run, ("before", "now") if args.before else ("now",))
     settings = calibrate.with_prompt(P.RuleSettings(), tok)

@@ -69,3 +69,27 @@ def test_stages_split_a_prompts_cpu_time_and_leave_the_harness_as_it_was(tiny_di
     assert by["agnostic"]["KVzip passes"] == 0        # both prefixes' passes in the observation
     assert sum(sum(s.values()) for s in by.values()) <= cpu + 1e-3
     assert before == (OB.observe_prefixes, M.teacher_force, M.greedy, H.run_protocol)
+
+
+def test_the_stage_table_has_a_row_per_protocol_and_prompt(tiny_dir, capsys, monkeypatch):
+    """bench.print_stages on a tiny model: the three prompts (fidelity, the answered task, the
+    stand-in task; here niah_multikey_3, as vt needs more tokens than the tiny model holds),
+    each with a row per protocol it ran and its total."""
+    import model as M
+    from engine import harness as H
+    monkeypatch.setattr(bench, "STAND_IN", "niah_multikey_3")
+    m, tok = M.load(tiny_dir, dtype=torch.float64)
+    a = H.parse(["--model", str(tiny_dir), "--dtype", "float64", "--budget", "16",
+                 "--protocol", "prompt,agnostic", "--methods", "full,snapkv",
+                 "--tasks", "niah_single_1,niah_multikey_3", "--greedy", "niah_single_1", "--length", "700",
+                 "--samples", "1", "--fidelity-length", "120", "--fidelity-samples", "1",
+                 "--max-new-tokens", "2"])
+    bench.print_stages(m, tok, a)
+    lines = [x for x in capsys.readouterr().out.splitlines() if x.startswith("| ")]
+    labels = [x.split(" | ")[0][2:] + " / " + x.split(" | ")[1] for x in lines[1:]]
+    assert labels == ["fidelity #0 / prompt", "fidelity #0 / all",
+                      "niah_single_1 #0 (answers decoded) / prompt",
+                      "niah_single_1 #0 (answers decoded) / agnostic",
+                      "niah_single_1 #0 (answers decoded) / all",
+                      "niah_multikey_3 #0 / prompt", "niah_multikey_3 #0 / agnostic",
+                      "niah_multikey_3 #0 / all"]

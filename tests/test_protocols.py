@@ -314,6 +314,29 @@ def test_later_questions_reuse_one_compressed_context(tiny_dir, tmp_path):
     assert len((tmp_path / "samples.jsonl").read_text().splitlines()) == len(rows)
 
 
+def turns_prompt(tiny_dir):
+    """(model, tokenizer, methods, item): the tiny model in fp64 and one 900-token prompt of
+    four questions in turn (niah_multineedle_turns), B = 32, no decoder evicting
+    (evaluate.main sizes the allowance to the items)."""
+    m, tok = M.load(tiny_dir, dtype=torch.float64)
+    args = H.parse(
+        ["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks",
+         "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples", "0",
+         "--max-new-tokens", "2"]
+    )
+    args.allowance = 4096
+    it = [i for i in H.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
+    return m, tok, H.Methods(m, tok, args), it
+
+
+def strip(rows, *more):
+    """key -> row without its timings (and the fields `more`)."""
+    return {
+        r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
+        for r in rows
+    }
+
+
 def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     """Rows do not depend on what else a run does: prompt + context in one call (one shared
     observation and FullKV reference) equal each protocol alone; a later question's rows equal
@@ -321,23 +344,8 @@ def test_each_row_is_what_a_run_of_its_own_gives(tiny_dir):
     do not leak into each other); and under `agnostic` the compressed cache is the same when the
     question changes (compression never sees it), while under `context` it changes."""
     from dataclasses import replace
-    m, tok = M.load(tiny_dir, dtype=torch.float64)
-    args = H.parse(
-        ["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks",
-         "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples", "0",
-         "--max-new-tokens", "2"]
-    )
-    # no decoder evicts (evaluate.main sizes it to the items)
-    args.allowance = 4096
-    it = [i for i in H.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
-    methods, names, protocols = H.Methods(m, tok, args), ["full", "snapkv", "gracekv"], PR.PROTOCOLS
-
-    def strip(rows, *more):
-        """key -> row without its timings (and the fields `more`)."""
-        return {
-            r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s") + more}
-            for r in rows
-        }
+    m, tok, methods, it = turns_prompt(tiny_dir)
+    names, protocols = ["full", "snapkv", "gracekv"], PR.PROTOCOLS
     together = strip(H.run_item(m, tok, methods, names, [32], it, set(), protocols))
     alone = strip(
         [r for p in protocols for r in H.run_item(m, tok, methods, names, [32], it, set(), (p,))]
@@ -387,19 +395,8 @@ def test_fullkv_decodes_once_for_every_budget_and_its_rows_equal_runs_of_their_o
     """FullKV's cache and decoding do not depend on the budget: in one call over two budgets it
     teacher-forces and answers once per protocol and question (plus the FullKV reference), and
     every row equals the row of a call with that budget alone."""
-    m, tok = M.load(tiny_dir, dtype=torch.float64)
-    args = H.parse(
-        ["--model", str(tiny_dir), "--dtype", "float64", "--budget", "32", "--tasks",
-         "niah_multineedle_turns", "--length", "900", "--samples", "1", "--fidelity-samples", "0",
-         "--max-new-tokens", "2"]
-    )
-    args.allowance = 4096
-    it = [i for i in H.build_items(tok, args, m) if i.task == "niah_multineedle_turns"][0]
-    methods, protocols = H.Methods(m, tok, args), PR.PROTOCOLS
-
-    def strip(rows):
-        return {r["key"]: {k: v for k, v in r.items() if k not in ("compress_s", "prefill_s")}
-                for r in rows}
+    m, tok, methods, it = turns_prompt(tiny_dir)
+    protocols = PR.PROTOCOLS
     greedy, calls = M.greedy, []
 
     def counted(*a, **k):
