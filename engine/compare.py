@@ -2,7 +2,8 @@
 values per (method, budget, task, metric), the prompts every method shares, the bootstrap
 draw; each method minus one method (`against`: an ablation read against what it ablates), and
 the leader of each headline measure with the methods that tie it (`leading`), each as lines and
-as a Markdown table (`python -m engine.report SUMMARY --versus M`, `--leaders`).
+as a Markdown table (`python -m engine.report SUMMARY --versus M`, `--leaders`), and where
+a method stands in each setting: leads, ties or trails (`--verdicts M`).
 
 Uncertainty (docs/protocol.md): every mean gets a 95 % percentile bootstrap
 interval over prompts, *paired* — each resample draws one set of prompts and every method is
@@ -211,6 +212,46 @@ def leaders(rows: list, names, budgets, ruler_tasks, skip=("full",)) -> list:
             + ("leads" if not d["ties"] else "ties " + diffs(d["ties"]))
             + (" | behind: " + diffs(d["behind"]) if d["behind"] else "")
             for d in leading(rows, names, budgets, ruler_tasks, skip)]
+
+
+def standing(rows: list, method: str, names, budgets, ruler_tasks, skip=("full",)) -> list:
+    """Where `method` stands in each setting `leading` ranks (a budget and a headline measure):
+    [(budget, label, place, alone)], place 'leads' (the best mean, FullKV aside), 'ties' (its
+    paired 95 % interval against the leader holds 0) or 'trails' (it does not); `alone` says
+    whether the leader is tied by no method. Settings without a row of `method` are left out."""
+    out = []
+    for d in leading(rows, names, budgets, ruler_tasks, skip):
+        tied = {m for m, *_ in d["ties"]}
+        behind = {m for m, *_ in d["behind"]}
+        if method == d["top"]:
+            place = "leads"
+        elif method in tied:
+            place = "ties"
+        elif method in behind:
+            place = "trails"
+        else:
+            continue
+        out.append((d["budget"], d["label"], place, not d["ties"]))
+    return out
+
+
+def verdicts(rows: list, methods, names, budgets, ruler_tasks, length=None,
+             skip=("full",)) -> list:
+    """`standing` of each of `methods` as one line: how many settings it leads, ties and trails,
+    then which ('leads: answer ΔNLL at 512 (4×) alone; ties: ...'), the count a paper's "first in
+    k of n settings" is read against."""
+    lines = []
+    for m in methods:
+        got = standing(rows, m, names, budgets, ruler_tasks, skip)
+        count = {p: [s for s in got if s[2] == p] for p in ("leads", "ties", "trails")}
+        head = f"{m}: " + ", ".join(f"{p} {len(v)}" for p, v in count.items()) + \
+            f" of {len(got)} settings"
+        parts = [f"{p}: " + ", ".join(f"{label} at {budget_label(b, length)}"
+                                       + (" alone" if p == "leads" and alone else "")
+                                       for b, label, _, alone in v)
+                 for p, v in count.items() if v]
+        lines.append(head + ("; " + "; ".join(parts) if parts else ""))
+    return lines
 
 
 def leaders_table(rows: list, names, budgets, ruler_tasks, length=None, skip=("full",)) -> str:

@@ -12,7 +12,7 @@ import numpy as np
 
 from engine.compare import (LOWER_IS_BETTER, aligned, before_after, headline_metrics, interval,
                              leaders, leaders_table, resample_index, scored_tasks, values,
-                             versus, versus_table)
+                             verdicts, versus, versus_table)
 from support import cli
 from support.errors import UsageError
 from support.files import read_rows
@@ -312,6 +312,7 @@ def main(argv=None):
     reads the per-sample rows beside it (OUT/samples*.jsonl) and prints each method minus METHOD
     (lines, then a Markdown table),
     --leaders the leader of each measure and who ties it (lines, then a Markdown table);
+    --verdicts M1,M2 where each of those methods stands in each setting (leads, ties, trails);
     --before each method minus itself in another run of the same prompts (paired lines);
     --with DIR: a run that pairs with another's rows (the same prompts, the other methods computed
     there) reads that folder's per-sample rows of the methods it does not compute itself, by
@@ -342,6 +343,13 @@ def main(argv=None):
         "and every other minus it (paired intervals), from OUT/samples*.jsonl",
     )
     ap.add_argument(
+        "--verdicts",
+        default=None,
+        metavar="M1,M2",
+        help="comma list of methods: per method, the settings (budget, headline metric) it "
+        "leads, ties and trails (paired intervals against the leader), from OUT/samples*.jsonl",
+    )
+    ap.add_argument(
         "--before",
         default=None,
         help="another run's summary.json (the same prompts, e.g. the code before a change): each "
@@ -370,10 +378,13 @@ def main(argv=None):
             and protocol(r) == proto]
     md = table(rows, names, budgets, cfg["tasks"])
     print(md.split("\n\n")[0] if a.no_diff else md)
-    if a.versus or a.leaders or a.before:
+    judged = pick("--verdicts", cli.split_names(a.verdicts, "--verdicts"), names) \
+        if a.verdicts else []
+    if a.versus or a.leaders or a.before or judged:
         files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
         if not files:
-            flag = "--versus" if a.versus else "--leaders" if a.leaders else "--before"
+            flag = "--versus" if a.versus else "--leaders" if a.leaders else \
+                "--before" if a.before else "--verdicts"
             raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} "
                              "(samples*.jsonl)")
         samples = [r for f in files for r in read_rows(f, repair=False, need=ROW_KEY)
@@ -398,6 +409,9 @@ def main(argv=None):
         if a.leaders:
             print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
             print("\n" + leaders_table(samples, names, budgets, cfg["tasks"], ratio_length(cfg)))
+        if judged:
+            print("\n" + "\n".join(verdicts(samples, judged, names, budgets, cfg["tasks"],
+                                             ratio_length(cfg))))
     if a.plot:
         try:
             import matplotlib  # noqa: F401

@@ -552,6 +552,42 @@ def test_leaders_known_cases():
                          "| niah_single_1 | tova 80; h2o (n = 6) |"]
 
 
+def test_verdicts_count_where_a_method_leads_ties_and_trails(tmp_path, capsys):
+    """A method leads a setting where its mean is the best (FullKV aside), ties where its paired
+    interval against the leader holds 0, trails where it does not: snapkv is best on KL (and on
+    answer ΔNLL = 2 KL) with h2o tied, tova is best on needles with h2o tied, snapkv 30 behind."""
+    kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03,
+          "h2o": lambda i: spread(i) + (0.02 if i % 2 else -0.02)}
+    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80,
+             "h2o": lambda i: 70 + 20 * (i % 2)}
+    rows = fake_rows(kl, score)
+    names = list(kl)
+    got = compare.verdicts(rows, ["snapkv", "tova", "h2o", "full"], names, [64],
+                           ["niah_single_1"], length=8000)
+    assert got[0] == ("snapkv: leads 2, ties 0, trails 1 of 3 settings; leads: fidelity KL at "
+                      "64 (125×), answer ΔNLL at 64 (125×); trails: niah_single_1 at 64 (125×)")
+    assert got[1] == ("tova: leads 1, ties 0, trails 2 of 3 settings; leads: niah_single_1 at "
+                      "64 (125×); trails: fidelity KL at 64 (125×), answer ΔNLL at 64 (125×)")
+    assert got[2].startswith("h2o: leads 0, ties 3, trails 0 of 3 settings; ties: fidelity KL")
+    assert got[3] == "full: leads 0, ties 0, trails 0 of 0 settings"      # never ranked
+    # a leader no method ties is marked alone
+    alone = {m: f for m, f in kl.items() if m != "h2o"}
+    line = compare.verdicts(fake_rows(alone, score), ["tova"], list(alone), [64],
+                            ["niah_single_1"])[0]
+    assert line.startswith("tova: leads 1, ties 0, trails 2 of 3 settings; leads: "
+                           "niah_single_1 at 64 alone; trails: ")
+    # the command line reads the rows beside the summary; a method the run lacks is refused
+    f = tmp_path / "summary.json"
+    f.write_text(json.dumps({"config": {"methods": names, "budgets": [64],
+                                        "tasks": ["niah_single_1"]}, "rows": []}))
+    (tmp_path / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report.main([str(f), "--no-diff", "--verdicts", "snapkv,tova"])
+    assert capsys.readouterr().out.strip().splitlines()[-2:] == [
+        v.replace(" (125×)", "") for v in got[:2]]
+    with pytest.raises(M.UsageError, match="--verdicts: the run has no bogus"):
+        report.main([str(f), "--verdicts", "bogus"])
+
+
 def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
     """A run without fidelity prompts (RULER only) plots its answer panel alone, with a legend."""
     pytest.importorskip("matplotlib")
