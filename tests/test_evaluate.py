@@ -397,14 +397,9 @@ def test_a_prompt_whose_logits_or_measures_are_not_finite_writes_nothing(tiny_di
 
 
 @pytest.mark.parametrize("folder, argv", [
-    ("results/long", ["--split", "test", "--threads", "1", "--budget", "64,128,512",
-                      "--protocol", "prompt,context,agnostic", "--methods",
-                      "full,streaming,h2o,tova,snapkv,knorm,expected,kvzip-uniform,pyramidkv,"
-                      "adakv,kvzip,random,polykv,polykv-joint,gracekv", "--tasks",
-                      "niah_single_1,niah_multikey_3,niah_multivalue,niah_multiquery,vt,cwe,fwe",
-                      "--length", "8000", "--samples", "16", "--fidelity-length", "7936",
-                      "--fidelity-samples", "16", "--greedy", "niah_single_1",
-                      "--cache-dir", "results/long/policies"]),
+    ("results/baselines-b64-1024", ["--suite", "reference", "--threads", "1", "--budget", "64,1024",
+                                    "--methods", "full,streaming,h2o,tova,snapkv,knorm,pyramidkv,"
+                                    "expected,kvzip-uniform,adakv,kvzip"]),
     ("results/gracekv-2k", ["--split", "test", "--seed", "0", "--tasks", "niah_single_1",
                             "--length", "2048", "--budget", "64,128,512,1024",
                             "--fidelity-samples", "12", "--samples", "12",
