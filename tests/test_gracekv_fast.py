@@ -3,7 +3,7 @@ paper's path they replace (gracekv.py: its own naive observation, node statistic
 the budget flow one action at a time): the same observed Flow to rounding, and the same kept
 sets (positions and KV head of every entry) and decoded logits, for `gracekv` and every row of
 the variant table at T = 256 (tiny random LLaMA, fp64), for `gracekv` and two rows on the
-embedded model at T = 2,048 (fp32), and under each protocol (the `context` cut of the flow,
+embedded model at T = 1,024 (fp32), and under each protocol (the `context` cut of the flow,
 the `agnostic` prefix observed within the whole prompt)."""
 import pytest
 import torch
@@ -148,14 +148,14 @@ def test_prefill_of_the_paper_alone_equals_the_fast_prefill():
 
 
 @pytest.mark.embedded
-def test_embedded_model_at_2048_tokens_equals_the_paper_path(embedded):
-    """The embedded model (fp32), one 2,048-token prompt at B = 128: `gracekv` and the row
+def test_embedded_model_at_1024_tokens_equals_the_paper_path(embedded):
+    """The embedded model (fp32), one 1,024-token prompt at B = 128: `gracekv` and the row
     whose extraction leaves a hole (gracekv-hole), fast (the harness's: one shared observation
     of both rows, the per-prompt memo) against the paper's path (one gracekv.observe: both rows
     observe the paper's first hop): the same kept sets, logits to fp32 rounding. (Every row
     at T = 256: test_every_row_equals_the_paper_path_at_T256.)"""
     m, tok = embedded
-    ids, cont = TK.fidelity_text(tok, 2048, N, index=0)
+    ids, cont = TK.fidelity_text(tok, 1024, N, index=0)
     x, follow = torch.tensor([ids]), torch.tensor([cont])
     default = dict(GK.Settings().__dict__)
     names, budget = ("gracekv", "gracekv-hole"), 128

@@ -124,8 +124,7 @@ def near_tie(scores, ours: set, theirs: set, b: int) -> float:
 
 
 @pytest.mark.embedded
-@pytest.mark.parametrize("T", [1024, 2048])
-@pytest.mark.parametrize("protocol", ["prompt", "agnostic"])
+@pytest.mark.parametrize("T, protocol", [(1024, "prompt"), (1024, "agnostic"), (2048, "prompt")])
 def test_pipeline_keeps_what_policy_compress_keeps(embedded, pipe, T, protocol):
     """kvpress's pipeline with the adapter, for the shipped B = 128 policy and a policy using
     every supported rule, at T tokens under `protocol`: per layer and KV head the entries kvpress
