@@ -263,15 +263,15 @@ def leaders_table(rows: list, names, budgets, ruler_tasks, length=None, skip=("f
     lines = ["| measure | " + " | ".join(head) + " |", "|---" * (len(budgets) + 1) + "|"]
     for label in dict.fromkeys(d["label"] for d in got):
         by = {d["budget"]: d for d in got if d["label"] == label}
-
-        def cell(d):
-            """A `leading` dict as 'leader mean; its ties (n = prompts)'; '' if None."""
-            return (
-                ""
-                if d is None
-                else f"{d['top']} {d['mean']:.3g}"
-                + ("; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone")
-                + f" (n = {d['n']})"
-            )
-        lines.append(f"| {label} | " + " | ".join(cell(by.get(b)) for b in budgets) + " |")
+        lines.append(f"| {label} | " + " | ".join(leader_cell(by.get(b)) for b in budgets) + " |")
     return "\n".join(lines)
+
+
+def leader_cell(d) -> str:
+    """A `leading` dict as 'leader mean; its ties (n = prompts)' ('alone' when none ties it);
+    '' if None."""
+    if d is None:
+        return ""
+    return (f"{d['top']} {d['mean']:.3g}"
+            + ("; " + ", ".join(m for m, *_ in d["ties"]) if d["ties"] else " alone")
+            + f" (n = {d['n']})")

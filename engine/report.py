@@ -6,13 +6,15 @@ rows (each method against one, the leader of each measure) are in engine/compare
 """
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import numpy as np
 
-from engine.compare import (LOWER_IS_BETTER, aligned, before_after, headline_metrics, interval,
-                             leaders, leaders_table, resample_index, scored_tasks, values,
-                             verdicts, versus, versus_table)
+from engine.compare import (LOWER_IS_BETTER, aligned, before_after, budget_label,
+                             headline_metrics, interval, leader_cell, leaders, leaders_table,
+                             leading, resample_index, scored_tasks, values, verdicts, versus,
+                             versus_table)
 from support import cli
 from support.errors import UsageError
 from support.files import read_rows
@@ -313,13 +315,14 @@ def main(argv=None):
     (lines, then a Markdown table),
     --leaders the leader of each measure and who ties it (lines, then a Markdown table);
     --verdicts M1,M2 where each of those methods stands in each setting (leads, ties, trails);
+    --across SUMMARY2 [--across SUMMARY3]: the leaders of this run and of the others in one
+    table, every protocol of each (and nothing else);
     --before each method minus itself in another run of the same prompts (paired lines);
     --with DIR: a run that pairs with another's rows (the same prompts, the other methods computed
     there) reads that folder's per-sample rows of the methods it does not compute itself, by
     key, never copied;
     --plot redraws OUT/budget_vs_score.png for those rows (a paper's rows: the name before the
     first "-")."""
-    import json
     ap = cli.ArgumentParser(description="Print the table of a finished run (its summary.json).")
     ap.add_argument("summary")
     ap.add_argument("--with", dest="paired", action="append", default=[], metavar="DIR",
@@ -350,6 +353,14 @@ def main(argv=None):
         "leads, ties and trails (paired intervals against the leader), from OUT/samples*.jsonl",
     )
     ap.add_argument(
+        "--across",
+        action="append",
+        default=[],
+        metavar="SUMMARY",
+        help="another run's summary.json: print the leaders of this run and of each one given in "
+        "one table, a column per run and budget, a row per measure and protocol",
+    )
+    ap.add_argument(
         "--before",
         default=None,
         help="another run's summary.json (the same prompts, e.g. the code before a change): each "
@@ -362,10 +373,7 @@ def main(argv=None):
         "one row of panels per protocol of the run, against the compression ratio at one length",
     )
     a = ap.parse_args(argv)
-    try:
-        d = json.loads(Path(a.summary).read_text())
-    except (OSError, ValueError) as e:
-        raise UsageError(f"cannot read {a.summary!r}: {e}") from None
+    d = read_summary(a.summary)
     cfg = run_config(d, a.summary)
     names = pick("--methods", cli.split_names(a.methods, "--methods") if a.methods else None,
                  cfg["methods"])
@@ -374,6 +382,10 @@ def main(argv=None):
     proto = a.protocol or run[0]
     if proto not in run:
         raise UsageError(f"--protocol {proto!r}: the run has {', '.join(run)}")
+    if a.across:
+        runs = [(a.summary, cfg)] + [(f, run_config(read_summary(f), f)) for f in a.across]
+        print(leaders_across([(f, samples_beside(f, "--across"), c) for f, c in runs], names))
+        return
     rows = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets
             and protocol(r) == proto]
     md = table(rows, names, budgets, cfg["tasks"])
@@ -381,14 +393,9 @@ def main(argv=None):
     judged = pick("--verdicts", cli.split_names(a.verdicts, "--verdicts"), names) \
         if a.verdicts else []
     if a.versus or a.leaders or a.before or judged:
-        files = sorted(Path(a.summary).parent.glob("samples*.jsonl"))
-        if not files:
-            flag = "--versus" if a.versus else "--leaders" if a.leaders else \
-                "--before" if a.before else "--verdicts"
-            raise UsageError(f"{flag} needs the per-sample rows beside {a.summary!r} "
-                             "(samples*.jsonl)")
-        samples = [r for f in files for r in read_rows(f, repair=False, need=ROW_KEY)
-                   if protocol(r) == proto]
+        flag = "--versus" if a.versus else "--leaders" if a.leaders else \
+            "--before" if a.before else "--verdicts"
+        samples = [r for r in samples_beside(a.summary, flag) if protocol(r) == proto]
         samples += paired_rows(a.paired, samples, proto)
         if a.versus and a.versus not in {r["method"] for r in samples}:
             raise UsageError(f"--versus {a.versus!r}: no such method in the per-sample rows")
@@ -399,12 +406,7 @@ def main(argv=None):
                 + versus_table(samples, a.versus, names, budgets, cfg["tasks"], ratio_length(cfg))
             )
         if a.before:
-            older = sorted(Path(a.before).parent.glob("samples*.jsonl"))
-            if not older:
-                raise UsageError(f"--before needs the per-sample rows beside {a.before!r} "
-                                 "(samples*.jsonl)")
-            before = [r for f in older for r in read_rows(f, repair=False, need=ROW_KEY)
-                      if protocol(r) == proto]
+            before = [r for r in samples_beside(a.before, "--before") if protocol(r) == proto]
             print("\n" + "\n".join(before_after(samples, before, names, budgets, cfg["tasks"])))
         if a.leaders:
             print("\n" + "\n".join(leaders(samples, names, budgets, cfg["tasks"])))
@@ -420,6 +422,60 @@ def main(argv=None):
         every = [r for r in d["rows"] if r["method"] in names and r["budget"] in budgets]
         plot(every if a.protocol is None else rows, names, Path(a.summary).parent,
              length=ratio_length(cfg))
+
+
+def leaders_across(runs: list, names) -> str:
+    """The leaders of several runs in one Markdown table (the 2K and 8K references side by
+    side): a column per run and budget ('reference-8k 64 (125×)': the run's folder, the budget
+    and its ratio to the run's longest prompt), a row per headline measure and protocol
+    ('answer ΔNLL, `context`'; one row 'every protocol' where, run by run, every protocol
+    it has gives the same cell, as the fidelity passages do), a cell as `leaders_table`'s; blank where a run lacks
+    the measure or the protocol. runs: [(summary path, per-sample rows, config)]; names: the
+    methods to rank (each run ranks those it has)."""
+    cols, got = [], {}
+    for path, rows, cfg in runs:
+        run = Path(path).parent.name
+        lengths = (cfg.get("length") or []) + (cfg.get("fidelity_length") or [])
+        for proto in cfg.get("protocols") or ["prompt"]:
+            mine = [r for r in rows if protocol(r) == proto]
+            ranked = [m for m in names if m in cfg["methods"]]
+            for one in leading(mine, ranked, cfg["budgets"], cfg["tasks"]):
+                got[(one["label"], proto, run, one["budget"])] = one
+        cols += [(run, b, f"{run} {budget_label(b, max(lengths) if lengths else None)}")
+                 for b in cfg["budgets"]]
+    lines = ["| measure | " + " | ".join(c[2] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
+    protocols = list(dict.fromkeys(k[1] for k in got))
+    for label in dict.fromkeys(k[0] for k in got):
+        rows = {}                                   # protocol -> its cells, where it has one
+        for proto in protocols:
+            cells = [leader_cell(got.get((label, proto, run, b))) for run, b, _ in cols]
+            if any(cells):
+                rows[proto] = cells
+        # one row where, column by column, every protocol a run has gives the same cell
+        columns = [{c[i] for c in rows.values() if c[i]} for i in range(len(cols))]
+        if len(rows) > 1 and all(len(c) <= 1 for c in columns):
+            rows = {"every protocol": [next(iter(c), "") for c in columns]}
+        for proto, cells in rows.items():
+            name = proto if proto == "every protocol" else f"`{proto}`"
+            lines.append(f"| {label}, {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def read_summary(path) -> dict:
+    """A summary.json's JSON, or a UsageError saying why it cannot be read."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise UsageError(f"cannot read {str(path)!r}: {e}") from None
+
+
+def samples_beside(path, flag: str) -> list:
+    """The per-sample rows beside a summary.json (samples*.jsonl), or a UsageError naming the
+    option (`flag`) that needs them."""
+    files = sorted(Path(path).parent.glob("samples*.jsonl"))
+    if not files:
+        raise UsageError(f"{flag} needs the per-sample rows beside {str(path)!r} (samples*.jsonl)")
+    return [r for f in files for r in read_rows(f, repair=False, need=ROW_KEY)]
 
 
 def paired_rows(folders, mine: list, proto: str) -> list:

@@ -583,6 +583,40 @@ def test_verdicts_count_where_a_method_leads_ties_and_trails(tmp_path, capsys):
         report.main([str(f), "--verdicts", "bogus"])
 
 
+def test_leaders_across_runs_put_each_run_and_protocol_in_one_table(tmp_path, capsys):
+    """--across: a column per run and budget (the folder, the ratio to its longest prompt), a
+    row per measure and protocol; a measure whose leaders every protocol computes the same (the
+    fidelity passages) is one row. Run `two` has `prompt` and `agnostic`: under `agnostic` snapkv
+    keeps every needle, so the needle row splits; its KL rows are the same under both."""
+    kl = {"full": lambda i: 0.0, "snapkv": spread, "tova": lambda i: spread(i) + 0.03}
+    score = {"full": lambda i: 100, "snapkv": lambda i: 50, "tova": lambda i: 80}
+    later = {**score, "snapkv": lambda i: 100}
+    runs = {"one": fake_rows(kl, score),
+            "two": [dict(r, protocol="prompt") for r in fake_rows(kl, score)]
+            + [dict(r, protocol="agnostic") for r in fake_rows(kl, later)]}
+    for name, rows in runs.items():
+        (tmp_path / name).mkdir()
+        cfg = {"methods": list(kl), "budgets": [64], "tasks": ["niah_single_1"], "length": [100],
+               "protocols": ["prompt"] + (["agnostic"] if name == "two" else [])}
+        (tmp_path / name / "summary.json").write_text(json.dumps({"config": cfg, "rows": []}))
+        (tmp_path / name / "samples.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report.main([str(tmp_path / "one" / "summary.json"), "--across",
+                 str(tmp_path / "two" / "summary.json")])
+    assert capsys.readouterr().out.strip().splitlines() == [
+        "| measure | one 64 (2×) | two 64 (2×) |", "|---|---|---|",
+        "| fidelity KL, every protocol | snapkv 0.225 alone (n = 6) | snapkv 0.225 alone (n = 6) |",
+        "| answer ΔNLL, every protocol | snapkv 0.45 alone (n = 6) | snapkv 0.45 alone (n = 6) |",
+        "| niah_single_1, `prompt` | tova 80 alone (n = 6) | tova 80 alone (n = 6) |",
+        "| niah_single_1, `agnostic` |  | snapkv 100 alone (n = 6) |"]
+    (tmp_path / "summary.json").write_text((tmp_path / "one" / "summary.json").read_text())
+    with pytest.raises(M.UsageError, match="--across needs the per-sample rows beside"):
+        report.main([str(tmp_path / "one" / "summary.json"), "--across",
+                     str(tmp_path / "summary.json")])
+    with pytest.raises(M.UsageError, match="cannot read"):
+        report.main([str(tmp_path / "one" / "summary.json"), "--across",
+                     str(tmp_path / "nope.json")])
+
+
 def test_plot_has_a_panel_per_measure_the_run_has(tmp_path):
     """A run without fidelity prompts (RULER only) plots its answer panel alone, with a legend."""
     pytest.importorskip("matplotlib")
