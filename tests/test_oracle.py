@@ -133,8 +133,11 @@ def test_files_of_other_probes_or_decode_steps_cannot_be_compared(tiny, tmp_path
                                           "conventions): 4/4 (layer, KV head) units agree")
 
 
-def test_cli_dump_compare_exit_codes(tmp_path):
-    """python -m engine.oracle dump ... then compare: exit 0 on itself, 1 on another method."""
+def test_cli_dump_compare_exit_codes(tmp_path, capsys):
+    """python -m engine.oracle dump ... then compare: exit 0 on itself, 1 on another method. One
+    call runs the module in a process of its own; the others call its main as the module does
+    (support.cli.run: the exit status, the one-line error), without starting Python again."""
+    from support import cli
     tok = json.loads((GOLDEN / "kvpress_kept.json").read_text())["tokens"][:120]
     (tmp_path / "t.json").write_text(json.dumps(tok))
     folder = tmp_path / "ckpt"                       # the tiny checkpoint with a tokenizer
@@ -147,16 +150,19 @@ def test_cli_dump_compare_exit_codes(tmp_path):
     )
 
     def run(*a):
-        """`python -m engine.oracle *a` in the repository, its output captured."""
-        return subprocess.run(
-            [sys.executable, "-m", "engine.oracle", *a], cwd=ROOT, capture_output=True, text=True
-        )
+        """`python -m engine.oracle *a`, in this process: (returncode, stdout, stderr)."""
+        capsys.readouterr()
+        with pytest.raises(SystemExit) as e:
+            cli.run(lambda: oracle.main(list(a)))
+        out, err = capsys.readouterr()
+        return subprocess.CompletedProcess(a, e.value.code, out, err)
     for method, out in (("tova", "a"), ("h2o", "b"), ("adakv", "c"), ("kvzip", "d")):
         r = run("dump", "--model", str(folder), "--tokens", str(tmp_path / "t.json"), "--method",
                 method, "--budget", "40", "--out", str(tmp_path / f"{out}.st"))
         assert r.returncode == 0, r.stderr
-    same, other = run("compare", str(tmp_path / "a.st"), str(tmp_path / "a.st")), \
-        run("compare", str(tmp_path / "a.st"), str(tmp_path / "b.st"))
+    same = subprocess.run([sys.executable, "-m", "engine.oracle", "compare", str(tmp_path / "a.st"),
+                           str(tmp_path / "a.st")], cwd=ROOT, capture_output=True, text=True)
+    other = run("compare", str(tmp_path / "a.st"), str(tmp_path / "b.st"))
     assert same.returncode == 0 and "4/4 (layer, KV head) units agree (100.0 %)" in same.stdout
     assert other.returncode == 1 and other.stdout.strip().endswith("FAIL")
     # head-wise (ragged) caches dump as padded kept sets and round-trip
