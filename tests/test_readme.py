@@ -2,7 +2,9 @@
 its own process). A block that starts with `def ` is an excerpt of baselines.py and must
 appear there verbatim. The README's sample of
 what the first command prints is what its committed run printed, and this code prints its
-table from that run's rows."""
+table from that run's rows. Every report a page (or a results/ folder's README) quotes under
+`<!-- printed by: python -m engine.report ARGS -->` is what that command prints from the
+committed rows."""
 import os
 import re
 import shutil
@@ -82,3 +84,28 @@ def test_the_readmes_reference_files_are_ignored_by_git():
     outs = sorted(set(re.findall(r"--out (\S+\.safetensors)", (ROOT / "README.md").read_text())))
     r = subprocess.run(["git", "check-ignore", *outs], cwd=ROOT, capture_output=True, text=True)
     assert len(outs) == 3 and sorted(r.stdout.split()) == outs
+
+
+QUOTE = re.compile(r"<!-- printed by: python -m engine\.report (.*?) -->\n(?:```text\n)?(.*?)(?:\n```|\n\n|\Z)",
+                   re.S)
+QUOTES = [(p.relative_to(ROOT).as_posix(), args, block)
+          for p in PAGES + sorted((ROOT / "results").glob("*/README.md"))
+          for args, block in QUOTE.findall(p.read_text())]
+
+
+def test_pages_quote_the_reports_of_the_reference_runs():
+    assert any(page == "docs/leaders.md" for page, _, _ in QUOTES)
+
+
+@pytest.mark.parametrize("page,args,block", QUOTES, ids=[f"{p}: {a}" for p, a, _ in QUOTES])
+def test_quoted_report_is_what_the_committed_rows_give(page, args, block, capsys, monkeypatch):
+    """A block a page marks `<!-- printed by: python -m engine.report ARGS -->` (the lines
+    after it, in a ```text block or up to a blank line) is printed, line for line in that
+    order, by that command on the committed rows: the leaders and verdicts the docs quote are
+    the committed runs', not copied by hand."""
+    from engine import report
+    monkeypatch.chdir(ROOT)
+    report.main(args.split())
+    printed = iter(capsys.readouterr().out.splitlines())
+    for line in block.splitlines():
+        assert any(line == p for p in printed), f"{page}: not printed (in this order): {line}"
