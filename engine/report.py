@@ -429,8 +429,8 @@ def leaders_across(runs: list, names) -> str:
     side): a column per run and budget ('reference-8k 64 (125×)': the run's folder, the budget
     and its ratio to the run's longest prompt), a row per headline measure and protocol
     ('answer ΔNLL, `context`'; one row 'every protocol' where, run by run, every protocol
-    it has gives the same cell, as the fidelity passages do), a cell as `leaders_table`'s; blank where a run lacks
-    the measure or the protocol. runs: [(summary path, per-sample rows, config)]; names: the
+    it has gives the same cell, as the fidelity passages do), a cell as `leaders_table`'s;
+    blank where a run lacks the measure or the protocol. runs: [(summary path, per-sample rows, config)]; names: the
     methods to rank (each run ranks those it has)."""
     cols, got = [], {}
     for path, rows, cfg in runs:
@@ -446,16 +446,16 @@ def leaders_across(runs: list, names) -> str:
     lines = ["| measure | " + " | ".join(c[2] for c in cols) + " |", "|---" * (len(cols) + 1) + "|"]
     protocols = list(dict.fromkeys(k[1] for k in got))
     for label in dict.fromkeys(k[0] for k in got):
-        rows = {}                                   # protocol -> its cells, where it has one
+        per = {}                                    # protocol -> its cells, where it has one
         for proto in protocols:
             cells = [leader_cell(got.get((label, proto, run, b))) for run, b, _ in cols]
             if any(cells):
-                rows[proto] = cells
+                per[proto] = cells
         # one row where, column by column, every protocol a run has gives the same cell
-        columns = [{c[i] for c in rows.values() if c[i]} for i in range(len(cols))]
-        if len(rows) > 1 and all(len(c) <= 1 for c in columns):
-            rows = {"every protocol": [next(iter(c), "") for c in columns]}
-        for proto, cells in rows.items():
+        columns = [{c[i] for c in per.values() if c[i]} for i in range(len(cols))]
+        if len(per) > 1 and all(len(c) <= 1 for c in columns):
+            per = {"every protocol": [next(iter(c), "") for c in columns]}
+        for proto, cells in per.items():
             name = proto if proto == "every protocol" else f"`{proto}`"
             lines.append(f"| {label}, {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
