@@ -430,15 +430,15 @@ def leaders_across(runs: list, names) -> str:
     and its ratio to the run's longest prompt), a row per headline measure and protocol
     ('answer ΔNLL, `context`'; one row 'every protocol' where, run by run, every protocol
     it has gives the same cell, as the fidelity passages do), a cell as `leaders_table`'s;
-    blank where a run lacks the measure or the protocol. runs: [(summary path, per-sample rows, config)]; names: the
-    methods to rank (each run ranks those it has)."""
+    blank where a run lacks the measure or the protocol. runs: [(summary path, per-sample rows,
+    config)]; names: the methods to rank (each run ranks those it has)."""
     cols, got = [], {}
     for path, rows, cfg in runs:
         run = Path(path).parent.name
         lengths = (cfg.get("length") or []) + (cfg.get("fidelity_length") or [])
+        ranked = [m for m in names if m in cfg["methods"]]
         for proto in cfg.get("protocols") or ["prompt"]:
             mine = [r for r in rows if protocol(r) == proto]
-            ranked = [m for m in names if m in cfg["methods"]]
             for one in leading(mine, ranked, cfg["budgets"], cfg["tasks"]):
                 got[(one["label"], proto, run, one["budget"])] = one
         cols += [(run, b, f"{run} {budget_label(b, max(lengths) if lengths else None)}")

@@ -81,7 +81,8 @@ def test_the_stage_table_has_a_row_per_protocol_and_prompt(tiny_dir, capsys, mon
     m, tok = M.load(tiny_dir, dtype=torch.float64)
     a = H.parse(["--model", str(tiny_dir), "--dtype", "float64", "--budget", "16",
                  "--protocol", "prompt,agnostic", "--methods", "full,snapkv",
-                 "--tasks", "niah_single_1,niah_multikey_3", "--greedy", "niah_single_1", "--length", "700",
+                 "--tasks", "niah_single_1,niah_multikey_3", "--greedy", "niah_single_1",
+                 "--length", "700",
                  "--samples", "1", "--fidelity-length", "120", "--fidelity-samples", "1",
                  "--max-new-tokens", "2"])
     bench.print_stages(m, tok, a)

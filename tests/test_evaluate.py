@@ -12,10 +12,10 @@ import torch
 import evaluate as E
 import model as M
 from engine import compare, report, run_folder
-from support import cli
 from engine import harness as H
 from engine import observe as OB
 import baselines as BL
+from support import cli
 
 ROOT = Path(__file__).resolve().parent.parent
 

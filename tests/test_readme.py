@@ -86,8 +86,9 @@ def test_the_readmes_reference_files_are_ignored_by_git():
     assert len(outs) == 3 and sorted(r.stdout.split()) == outs
 
 
-QUOTE = re.compile(r"<!-- printed by: python -m engine\.report (.*?) -->\n(?:```text\n)?(.*?)(?:\n```|\n\n|\Z)",
-                   re.S)
+# the command, then its lines: in a ```text block, or up to a blank line
+QUOTE = re.compile(r"<!-- printed by: python -m engine\.report (.*?) -->\n"
+                   r"(?:```text\n)?(.*?)(?:\n```|\n\n|\Z)", re.S)
 QUOTES = [(p.relative_to(ROOT).as_posix(), args, block)
           for p in PAGES + sorted((ROOT / "results").glob("*/README.md"))
           for args, block in QUOTE.findall(p.read_text())]
