@@ -1,0 +1,42 @@
+"""The committed reference runs are whole: every row of results/reference-*/ was computed in its
+folder, at the one commit its run.json records, for exactly the grid it asked (no row missing,
+none twice, none from elsewhere), and its README states that count and that commit."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FOLDERS = sorted((ROOT / "results").glob("reference-*/"))
+
+
+def test_there_is_one_reference_run_per_length():
+    assert [f.name for f in FOLDERS] == ["reference-2k", "reference-8k"]
+
+
+def grid(asked: dict) -> set:
+    """The keys `evaluate.py` writes for what run.json asked: method|budget|task|length|index,
+    under each protocol (support.tasks' prompt indexes; fidelity passages are task `fidelity`)."""
+    prompts = [(t, n, i) for t in asked["tasks"] for n in asked["length"]
+               for i in range(asked["samples"])]
+    prompts += [("fidelity", n, i) for n in asked["fidelity_length"]
+                for i in range(asked["fidelity_samples"])]
+    return {(f"{m}|{b}|{t}|{n}|{i}", p) for m in asked["methods"] for b in asked["budgets"]
+            for t, n, i in prompts for p in asked["protocols"]}
+
+
+@pytest.mark.parametrize("folder", FOLDERS, ids=[f.name for f in FOLDERS])
+def test_reference_run_is_whole_and_from_one_commit(folder):
+    run = json.loads((folder / "run.json").read_text())
+    assert len(run["code"]) == 1, f"{folder.name}: rows from {len(run['code'])} commits"
+    keys = [(r["key"], r["protocol"])
+            for f in sorted(folder.glob("samples*.jsonl"))
+            for r in map(json.loads, f.read_text().splitlines())]
+    assert len(keys) == len(set(keys)), f"{folder.name}: a row written twice"
+    assert set(keys) == grid(run["asked"])
+    summary = json.loads((folder / "summary.json").read_text())
+    assert summary["config"]["methods"] == run["asked"]["methods"]
+    readme = (folder / "README.md").read_text()
+    assert f"{len(keys):,}" in readme and run["code"][0][:7] in readme
+    assert not re.search(r"in progress", readme, re.I)
