@@ -4,8 +4,11 @@ none twice, none from elsewhere), and its README states that count and that comm
 import json
 import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from engine import harness as H
 
 ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = sorted((ROOT / "results").glob("reference-*/"))
@@ -16,23 +19,22 @@ def test_there_is_one_reference_run_per_length():
 
 
 def grid(asked: dict) -> set:
-    """The keys `evaluate.py` writes for what run.json asked: method|budget|task|length|index,
-    under each protocol (support.tasks' prompt indexes; fidelity passages are task `fidelity`)."""
-    prompts = [(t, n, i) for t in asked["tasks"] for n in asked["length"]
-               for i in range(asked["samples"])]
-    prompts += [("fidelity", n, i) for n in asked["fidelity_length"]
-                for i in range(asked["fidelity_samples"])]
-    return {(f"{m}|{b}|{t}|{n}|{i}", p) for m in asked["methods"] for b in asked["budgets"]
-            for t, n, i in prompts for p in asked["protocols"]}
+    """The row keys `evaluate.py` writes for what run.json asked (harness.result_key: one per
+    method, budget, prompt and protocol; fidelity passages are task `fidelity`)."""
+    prompts = [SimpleNamespace(task=t, length=n, index=i) for t in asked["tasks"]
+               for n in asked["length"] for i in range(asked["samples"])]
+    prompts += [SimpleNamespace(task="fidelity", length=n, index=i)
+                for n in asked["fidelity_length"] for i in range(asked["fidelity_samples"])]
+    return {H.result_key(m, b, it, p) for m in asked["methods"] for b in asked["budgets"]
+            for it in prompts for p in asked["protocols"]}
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=[f.name for f in FOLDERS])
 def test_reference_run_is_whole_and_from_one_commit(folder):
     run = json.loads((folder / "run.json").read_text())
     assert len(run["code"]) == 1, f"{folder.name}: rows from {len(run['code'])} commits"
-    keys = [(r["key"], r["protocol"])
-            for f in sorted(folder.glob("samples*.jsonl"))
-            for r in map(json.loads, f.read_text().splitlines())]
+    keys = [json.loads(line)["key"] for f in sorted(folder.glob("samples*.jsonl"))
+            for line in f.read_text().splitlines()]
     assert len(keys) == len(set(keys)), f"{folder.name}: a row written twice"
     assert set(keys) == grid(run["asked"])
     summary = json.loads((folder / "summary.json").read_text())
