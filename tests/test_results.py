@@ -20,7 +20,8 @@ def test_there_is_one_reference_run_per_length():
 
 def grid(asked: dict) -> set:
     """The row keys `evaluate.py` writes for what run.json asked (harness.result_key: one per
-    method, budget, prompt and protocol; fidelity passages are task `fidelity`)."""
+    method, budget, prompt and protocol; fidelity passages are task `fidelity`). Each prompt's
+    first question only: the reference runs ask no `*_turns` task (those add a key per turn)."""
     prompts = [SimpleNamespace(task=t, length=n, index=i) for t in asked["tasks"]
                for n in asked["length"] for i in range(asked["samples"])]
     prompts += [SimpleNamespace(task="fidelity", length=n, index=i)
@@ -33,12 +34,29 @@ def grid(asked: dict) -> set:
 def test_reference_run_is_whole_and_from_one_commit(folder):
     run = json.loads((folder / "run.json").read_text())
     assert len(run["code"]) == 1, f"{folder.name}: rows from {len(run['code'])} commits"
+    commit = run["code"][0]
+    assert re.fullmatch(r"[0-9a-f]{12}", commit), f"{folder.name}: code {commit!r}, not a clean commit"
     keys = [json.loads(line)["key"] for f in sorted(folder.glob("samples*.jsonl"))
             for line in f.read_text().splitlines()]
     assert len(keys) == len(set(keys)), f"{folder.name}: a row written twice"
     assert set(keys) == grid(run["asked"])
-    summary = json.loads((folder / "summary.json").read_text())
-    assert summary["config"]["methods"] == run["asked"]["methods"]
+    # the summary the docs quote is the whole run's: every prompt, the grid asked
+    config = json.loads((folder / "summary.json").read_text())["config"]
+    prompts = len(run["asked"]["tasks"]) * len(run["asked"]["length"]) * run["asked"]["samples"] \
+        + len(run["asked"]["fidelity_length"]) * run["asked"]["fidelity_samples"]
+    assert config["prompts"] in (f"{prompts}", f"{prompts} of {prompts} (--report)")
+    for field in ("methods", "budgets", "protocols"):
+        assert set(config[field]) == set(run["asked"][field]), field
     readme = (folder / "README.md").read_text()
-    assert f"{len(keys):,}" in readme and run["code"][0][:7] in readme
-    assert not re.search(r"in progress", readme, re.I)
+    assert re.search(rf"(?<![\d,]){len(keys):,}(?![\d,])", readme), "README: the row count"
+    assert commit[:7] in readme, "README: the commit"
+    assert not re.search(r"in progress|\{\{", readme, re.I), "README: unfinished"
+
+
+def test_no_prose_left_to_write_in_the_docs():
+    """A `{{NAME}}` in the README or a doc is prose still to be written from a run."""
+    pages = [ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("results/*/README.md"),
+             *ROOT.glob("policies/README.md")]
+    left = [f"{p.relative_to(ROOT)}:{i}" for p in pages
+            for i, line in enumerate(p.read_text().splitlines(), 1) if "{{" in line]
+    assert not left, f"unwritten prose at {left}"
