@@ -18,16 +18,21 @@ def test_there_is_one_reference_run_per_length():
     assert [f.name for f in FOLDERS] == ["reference-2k", "reference-8k"]
 
 
-def grid(asked: dict) -> set:
-    """The row keys `evaluate.py` writes for what run.json asked (harness.result_key: one per
-    method, budget, prompt and protocol; fidelity passages are task `fidelity`). Each prompt's
-    first question only: the reference runs ask no `*_turns` task (those add a key per turn)."""
+def prompts_asked(asked: dict) -> list:
+    """The prompts run.json asked: each task's samples at each length, then the fidelity
+    passages (task `fidelity`)."""
     prompts = [SimpleNamespace(task=t, length=n, index=i) for t in asked["tasks"]
                for n in asked["length"] for i in range(asked["samples"])]
-    prompts += [SimpleNamespace(task="fidelity", length=n, index=i)
-                for n in asked["fidelity_length"] for i in range(asked["fidelity_samples"])]
+    return prompts + [SimpleNamespace(task="fidelity", length=n, index=i)
+                      for n in asked["fidelity_length"] for i in range(asked["fidelity_samples"])]
+
+
+def grid(asked: dict) -> set:
+    """The row keys `evaluate.py` writes for what run.json asked (harness.result_key: one per
+    method, budget, prompt and protocol). Each prompt's first question only: the reference runs
+    ask no `*_turns` task (those add a key per turn)."""
     return {H.result_key(m, b, it, p) for m in asked["methods"] for b in asked["budgets"]
-            for it in prompts for p in asked["protocols"]}
+            for it in prompts_asked(asked) for p in asked["protocols"]}
 
 
 @pytest.mark.parametrize("folder", FOLDERS, ids=[f.name for f in FOLDERS])
@@ -35,15 +40,15 @@ def test_reference_run_is_whole_and_from_one_commit(folder):
     run = json.loads((folder / "run.json").read_text())
     assert len(run["code"]) == 1, f"{folder.name}: rows from {len(run['code'])} commits"
     commit = run["code"][0]
-    assert re.fullmatch(r"[0-9a-f]{12}", commit), f"{folder.name}: code {commit!r}, not a clean commit"
+    assert re.fullmatch(r"[0-9a-f]{12}", commit), \
+        f"{folder.name}: code {commit!r}, not a clean commit"
     keys = [json.loads(line)["key"] for f in sorted(folder.glob("samples*.jsonl"))
             for line in f.read_text().splitlines()]
     assert len(keys) == len(set(keys)), f"{folder.name}: a row written twice"
     assert set(keys) == grid(run["asked"])
     # the summary the docs quote is the whole run's: every prompt, the grid asked
     config = json.loads((folder / "summary.json").read_text())["config"]
-    prompts = len(run["asked"]["tasks"]) * len(run["asked"]["length"]) * run["asked"]["samples"] \
-        + len(run["asked"]["fidelity_length"]) * run["asked"]["fidelity_samples"]
+    prompts = len(prompts_asked(run["asked"]))
     assert config["prompts"] in (f"{prompts}", f"{prompts} of {prompts} (--report)")
     for field in ("methods", "budgets", "protocols"):
         assert set(config[field]) == set(run["asked"][field]), field
